@@ -1,0 +1,153 @@
+"""Tile ranges and in-tile masks shared by the forward and backward kernels.
+
+All positions are sequence-relative (tiles are aligned to each sequence's
+start), which is what makes a sequence's bits independent of its batch or
+packing. `off = len_k - len_q` aligns causal masks and windows bottom-right.
+A query at position i sees key j iff
+    i + off - left <= j <= i + off + right      (unbounded sides skipped)
+where `causal` means right = 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskConfig:
+  """Static masking and score options, hashed into the kernel's cache key."""
+
+  left: int  # -1: unbounded
+  right: int  # -1: unbounded; 0 for causal
+  has_segments: bool
+  softcap: float  # 0.0: off
+  scale: float  # softmax scale (natural-log domain)
+
+  @staticmethod
+  def make(*, causal: bool, window_size: tuple[int, int], has_segments: bool,
+           softcap: float, scale: float) -> "MaskConfig":
+    left, right = window_size
+    if causal:
+      right = 0 if right < 0 else min(right, 0)
+    return MaskConfig(int(left), int(right), bool(has_segments),
+                      float(softcap), float(scale))
+
+
+def cdiv(a, b):
+  return lax.div(a + b - 1, b)
+
+
+def _nonempty_or_zero(lo, hi):
+  # An empty range becomes [0, 0) so that no tile past the sequence is read.
+  empty = hi <= lo
+  return jnp.where(empty, 0, lo), jnp.where(empty, 0, hi)
+
+
+def key_range(cfg: MaskConfig, q0, block_q: int, len_q, len_k):
+  """Keys [lo, hi) that some query of the tile [q0, q0 + block_q) may see."""
+  off = len_k - len_q
+  q_last = jnp.minimum(q0 + block_q, len_q) - 1
+  lo = jnp.int32(0)
+  hi = len_k
+  if cfg.left >= 0:
+    lo = jnp.maximum(lo, q0 + off - cfg.left)
+  if cfg.right >= 0:
+    hi = jnp.minimum(hi, q_last + off + cfg.right + 1)
+  return _nonempty_or_zero(lo, hi)
+
+
+def unmasked_key_range(cfg: MaskConfig, q0, block_q: int, len_q, len_k,
+                       *, keys_in_bounds: bool):
+  """Keys [lo, hi) that every query row of the tile sees (band interior).
+
+  keys_in_bounds: also require keys < len_k (the forward must never read a
+  key past the sequence unmasked; the backward tolerates it since such keys
+  load as zeros and their gradients are not stored).
+  """
+  off = len_k - len_q
+  q_last = q0 + block_q - 1
+  lo = jnp.int32(0)
+  hi = len_k if keys_in_bounds else jnp.int32(2**30)
+  if cfg.left >= 0:
+    lo = jnp.maximum(lo, q_last + off - cfg.left)
+  if cfg.right >= 0:
+    hi = jnp.minimum(hi, q0 + off + cfg.right + 1)
+  return lo, jnp.maximum(hi, lo)
+
+
+def query_range(cfg: MaskConfig, k0, block_k: int, len_q, len_k):
+  """Queries [lo, hi) that may see some key of the tile [k0, k0 + block_k)."""
+  off = len_k - len_q
+  k_last = k0 + block_k - 1
+  lo = jnp.int32(0)
+  hi = len_q
+  if cfg.right >= 0:
+    lo = jnp.maximum(lo, k0 - off - cfg.right)
+  if cfg.left >= 0:
+    hi = jnp.minimum(hi, k_last - off + cfg.left + 1)
+  return _nonempty_or_zero(lo, hi)
+
+
+def unmasked_query_range(cfg: MaskConfig, k0, block_k: int, len_q, len_k):
+  """Queries [lo, hi) that see every key of the tile (band interior)."""
+  off = len_k - len_q
+  k_last = k0 + block_k - 1
+  lo = jnp.int32(0)
+  hi = jnp.int32(2**30)
+  if cfg.right >= 0:
+    lo = jnp.maximum(lo, k_last - off - cfg.right)
+  if cfg.left >= 0:
+    hi = jnp.minimum(hi, k0 - off + cfg.left + 1)
+  return lo, jnp.maximum(hi, lo)
+
+
+def block_split(lo, hi, ulo, uhi, block: int):
+  """Splits blocks covering [lo, hi) into masked and unmasked blocks.
+
+  Returns (first, n_pre, full_first, n_full, post_first, n_post): blocks
+  first .. first+n_pre-1 and post_first .. post_first+n_post-1 need masks,
+  full_first .. full_first+n_full-1 do not.
+  """
+  first = lo // block
+  last = cdiv(hi, block)  # exclusive
+  full_first = jnp.maximum(cdiv(ulo, block), first)
+  full_last = jnp.minimum(uhi // block, last)
+  full_last = jnp.maximum(full_last, full_first)
+  # Degenerate: no unmasked blocks -> everything is "pre".
+  no_full = full_last <= full_first
+  full_first = jnp.where(no_full, last, full_first)
+  full_last = jnp.where(no_full, last, full_last)
+  n_pre = full_first - first
+  n_full = full_last - full_first
+  n_post = last - full_last
+  return first, n_pre, full_first, n_full, full_last, n_post
+
+
+def visible(cfg: MaskConfig, q_pos, k_pos, len_q, len_k, q_seg=None,
+            k_seg=None):
+  """Boolean [len(q_pos), len(k_pos)] tile mask (keys past len_k hidden)."""
+  off = len_k - len_q
+  qi = q_pos[:, None]
+  kj = k_pos[None, :]
+  vis = kj < len_k
+  if cfg.right >= 0:
+    vis &= kj <= qi + off + cfg.right
+  if cfg.left >= 0:
+    vis &= kj >= qi + off - cfg.left
+  if cfg.has_segments:
+    vis &= q_seg[:, None] == k_seg[None, :]
+  return vis
+
+
+def scores_log2(cfg: MaskConfig, qk: jax.Array) -> jax.Array:
+  """Raw q.k products -> scores in the base-2 domain (scale, soft-cap)."""
+  if cfg.softcap > 0.0:
+    return (cfg.softcap * LOG2E) * jnp.tanh(qk * (cfg.scale / cfg.softcap))
+  return qk * (cfg.scale * LOG2E)

@@ -1,0 +1,280 @@
+"""Bitwise-deterministic flash-attention backward on an integer grid.
+
+One kernel, one pass, five matrix products per tile pair (FlashAttention-2's
+backward without its float atomics):
+
+* dK, dV: a program owns one key tile of one KV head and sums over every query
+  tile that sees it and every query head of its GQA group, in a fixed order,
+  in registers. No other program touches those rows.
+* dQ: the partial products dS_ij K_j of different key tiles go to an int32
+  accumulator through integer atomics. Each partial is first quantised onto a
+  power-of-two grid fixed for its query row before the reduction starts, so
+  the sum is exact and the same in any order; the grid is undone once at the
+  end. Integer addition is associative: the bits never depend on scheduling.
+
+The grid of row i (query head h, sequence s) comes from a bound computed by a
+preprocess pass over that sequence only (so it never depends on other
+sequences of the batch):
+
+    |dQ_i[d]| <= scale * max|K_s| * sum_j |dS_ij|
+    sum_j |dS_ij| = sum_j P_ij |dO_i.V_j - D_i| <= ||dO_i|| max_j ||V_j|| + |D_i|
+
+(sum_j P_ij <= 1; soft-capping multiplies dS by 1 - tanh^2 <= 1.) The bound is
+widened by 1/8 for the rounding of P and dS, rounded up to a power of two
+2^e, and the grid step is 2^(e - 29): every partial and every partial sum
+stays below 2^29 in magnitude, a quarter of int32's range.
+
+Error this adds: each of the n key tiles' partials is rounded to the nearest
+grid point, so |dQ_i - exact| <= n/2 * 2^(e-29) <= n * 2^-28 * bound_i. For a
+16k-token sequence in 128-key tiles (n = 128) that is 2^-21 ~ 5e-7 of the
+bound: far below bf16's 2^-9 relative rounding of the stored gradient (the
+bound exceeds |dQ| by the ratio of worst to typical alignment; tests check
+the end-to-end error against the float32 reference).
+
+Layouts are those of `pallas_kernels.flash.forward` (packed tokens).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.flash import _tiles
+from pallas_kernels.flash._tiles import LN2, LOG2E, MaskConfig
+from pallas_kernels.flash.config import BlockSizes, head_dim_bucket
+from pallas_kernels.flash.forward import dot_precision
+
+DQ_GRID_BITS = 29  # partial sums stay below 2^29: 4x headroom in int32
+_BOUND_WIDEN = 1.125  # rounding of P and dS before the products
+
+
+def token_sequence_ids(cu_seqlens, total: int):
+  """int32 [total]: the sequence of each packed token; num_seqs for tokens
+  past cu_seqlens[-1] (they belong to no sequence)."""
+  t = jnp.arange(total, dtype=jnp.int32)
+  seq = jnp.searchsorted(cu_seqlens, t, side="right").astype(jnp.int32) - 1
+  return jnp.where(t < cu_seqlens[-1], seq, cu_seqlens.shape[0] - 1)
+
+
+def dq_inverse_grid(q_dtype_scale: float, k, v, do, delta, cu_seqlens_q,
+                    cu_seqlens_k, group: int):
+  """Per-row inverse grid steps 2^(29 - e), float32 [heads_q, total_q].
+
+  k, v: [total_k, heads_kv, head_dim]; do: [total_q, heads_q, head_dim];
+  delta: float32 [heads_q, total_q] (dO.O minus the lse cotangent).
+  """
+  num_seqs = cu_seqlens_q.shape[0] - 1
+  k_seq = token_sequence_ids(cu_seqlens_k, k.shape[0])
+  q_seq = token_sequence_ids(cu_seqlens_q, do.shape[0])
+  k_abs_max = jnp.max(jnp.abs(k.astype(jnp.float32)), axis=-1)  # [tk, hkv]
+  v_norm = jnp.sqrt(jnp.sum(jnp.square(v.astype(jnp.float32)), axis=-1))
+  # Max is order-free, so these per-(sequence, KV head) bounds are exact.
+  k_max = jax.ops.segment_max(k_abs_max, k_seq, num_segments=num_seqs + 1)
+  v_max = jax.ops.segment_max(v_norm, k_seq, num_segments=num_seqs + 1)
+  k_max = jnp.maximum(k_max, 0.0)
+  v_max = jnp.maximum(v_max, 0.0)
+  k_max_q = jnp.repeat(k_max[q_seq], group, axis=1).T  # [hq, tq]
+  v_max_q = jnp.repeat(v_max[q_seq], group, axis=1).T
+  do_norm = jnp.sqrt(jnp.sum(jnp.square(do.astype(jnp.float32)), axis=-1)).T
+  bound = (q_dtype_scale * _BOUND_WIDEN) * k_max_q * (
+      do_norm * v_max_q + jnp.abs(delta))
+  _, e = jnp.frexp(bound)  # bound <= 2^e
+  e = jnp.clip(e, -90, 97)
+  return jnp.ldexp(jnp.ones_like(bound), DQ_GRID_BITS - e)
+
+
+def _backward_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
+                     delta_ref, inv_grid_ref, *refs, cfg: MaskConfig,
+                     block_q: int, block_k: int, head_dim: int, group: int):
+  refs = list(refs)
+  q_seg_ref = k_seg_ref = None
+  if cfg.has_segments:
+    q_seg_ref, k_seg_ref = refs.pop(0), refs.pop(0)
+  _, dq_ref, dk_ref, dv_ref = refs  # refs[0] is dq's aliased input
+
+  k_blk, seq = pl.program_id(0), pl.program_id(1)
+  q_off = cu_q_ref[seq]
+  len_q = cu_q_ref[seq + 1] - q_off
+  k_off = cu_k_ref[seq]
+  len_k = cu_k_ref[seq + 1] - k_off
+  k0 = k_blk * block_k
+  d_pad = q_ref.shape[-1]
+  dtype = q_ref.dtype
+  precision = dot_precision(dtype)
+
+  @pl.when(k0 < len_k)
+  def _():
+    head_mask = (jnp.arange(d_pad) < head_dim)[None, :]
+    k_pos = k0 + jnp.arange(block_k)
+    k_valid = k_pos < len_k
+    kv_mask = k_valid[:, None] & head_mask
+    k = plgpu.load(k_ref.at[pl.ds(k_off + k0, block_k), :], mask=kv_mask,
+                   other=0.0)
+    v = plgpu.load(v_ref.at[pl.ds(k_off + k0, block_k), :], mask=kv_mask,
+                   other=0.0)
+    k_seg = None
+    if cfg.has_segments:
+      k_seg = plgpu.load(k_seg_ref.at[pl.ds(k_off + k0, block_k)],
+                         mask=k_valid, other=-2)
+
+    lo, hi = _tiles.query_range(cfg, k0, block_k, len_q, len_k)
+    ulo, uhi = _tiles.unmasked_query_range(cfg, k0, block_k, len_q, len_k)
+    if cfg.has_segments:
+      ulo, uhi = hi, hi
+    first, n_pre, full_first, n_full, post_first, n_post = _tiles.block_split(
+        lo, hi, ulo, uhi, block_q)
+
+    def step(g, q_blk, carry, masked: bool):
+      dk, dv = carry
+      q0 = q_blk * block_q
+      rows = pl.ds(q_off + q0, block_q)
+      q_pos = q0 + jnp.arange(block_q)
+      q_valid = q_pos < len_q
+      # Rows past the sequence load as zeros: their dO and D are 0, so they
+      # add exact zeros to dK, dV and to other sequences' dQ rows.
+      row_mask = q_valid[:, None] & head_mask
+      q = plgpu.load(q_ref.at[rows, g, :], mask=row_mask, other=0.0)
+      do = plgpu.load(do_ref.at[rows, g, :], mask=row_mask, other=0.0)
+      lse2 = plgpu.load(lse_ref.at[g, rows], mask=q_valid, other=0.0)
+      delta = plgpu.load(delta_ref.at[g, rows], mask=q_valid, other=0.0)
+      inv_grid = plgpu.load(inv_grid_ref.at[g, rows], mask=q_valid, other=0.0)
+
+      s_t = _tiles.scores_log2(
+          cfg, plgpu.dot(k, q, trans_b=True, precision=precision))
+      p_t = jnp.exp2(s_t - lse2[None, :])  # [block_k, block_q]
+      if masked:
+        q_seg = None
+        if cfg.has_segments:
+          q_seg = plgpu.load(q_seg_ref.at[rows], mask=q_valid, other=-1)
+        vis = _tiles.visible(cfg, q_pos, k_pos, len_q, len_k, q_seg, k_seg)
+        p_t = jnp.where(vis.T, p_t, 0.0)
+      dv = dv + plgpu.dot(p_t.astype(dtype), do, precision=precision)
+      dp_t = plgpu.dot(v, do, trans_b=True, precision=precision)
+      ds_t = p_t * (dp_t - delta[None, :])
+      if cfg.softcap > 0.0:
+        t = s_t * (LN2 / cfg.softcap)  # tanh(x / softcap)
+        ds_t = ds_t * (1.0 - t * t)
+      ds_t = ds_t.astype(dtype)
+      dk = dk + plgpu.dot(ds_t, q, precision=precision)
+      dq_part = plgpu.dot(ds_t, k, trans_a=True, precision=precision)
+      dq_int = jnp.floor(dq_part * (cfg.scale * inv_grid)[:, None] + 0.5)
+      plgpu.atomic_add(dq_ref, (rows, g, slice(None)), dq_int.astype(jnp.int32))
+      return dk, dv
+
+    def head(g, carry):
+      carry = lax.fori_loop(
+          0, n_full, lambda t, c: step(g, full_first + t, c, False), carry)
+      return lax.fori_loop(
+          0, n_pre + n_post,
+          lambda t, c: step(g, jnp.where(t < n_pre, first + t,
+                                         post_first + t - n_pre), c, True),
+          carry)
+
+    zeros = jnp.zeros((block_k, d_pad), jnp.float32)
+    dk, dv = lax.fori_loop(0, group, head, (zeros, zeros))
+    plgpu.store(dk_ref.at[pl.ds(k_off + k0, block_k), :],
+                (dk * cfg.scale).astype(dk_ref.dtype), mask=kv_mask)
+    plgpu.store(dv_ref.at[pl.ds(k_off + k0, block_k), :],
+                dv.astype(dv_ref.dtype), mask=kv_mask)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("cfg", "blocks", "max_seqlen_k", "interpret"))
+def flash_backward(q, k, v, out, lse2, do, cu_seqlens_q, cu_seqlens_k,
+                   q_segment_ids=None, kv_segment_ids=None, sinks=None,
+                   dlse=None, *, cfg: MaskConfig, blocks: BlockSizes,
+                   max_seqlen_k: int, interpret: bool = False):
+  """Gradients of `flash_forward`.
+
+  Args:
+    q, k, v, out, do: packed layouts as in `flash_forward` (do like out).
+    lse2: float32 [heads_q, total_q] from `flash_forward`.
+    dlse: optional float32 [heads_q, total_q] cotangent of the natural-log
+      LSE (it enters as dS_ij = P_ij (dP_ij - D_i + dlse_i)).
+
+  Returns:
+    dq, dk, dv in the inputs' layouts and dtypes, and dsinks (float32
+    [heads_q]) or None.
+  """
+  total_q, heads_q, head_dim = q.shape
+  total_k, heads_kv, _ = k.shape
+  group = heads_q // heads_kv
+  num_seqs = cu_seqlens_q.shape[0] - 1
+  d_pad = head_dim_bucket(head_dim)
+  block_q, block_k = blocks.block_q, blocks.block_k
+
+  # Row-level masks keep tokens outside every sequence (a packed tail whose
+  # out/lse were never written) from leaking garbage into dsinks or dq.
+  q_in_seq = (token_sequence_ids(cu_seqlens_q, total_q) < num_seqs)[None, :]
+  lse2 = jnp.where(q_in_seq, lse2, jnp.inf)
+  delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1).T
+  if dlse is not None:
+    delta = delta - dlse
+  delta = jnp.where(q_in_seq, delta, 0.0)
+  inv_grid = dq_inverse_grid(cfg.scale, k, v, do, delta, cu_seqlens_q,
+                             cu_seqlens_k, group)
+  inv_grid = jnp.where(q_in_seq, inv_grid, 1.0)
+
+  def grouped(x):  # [total, heads_q, ...] -> [total, heads_kv, group, ...]
+    return x.reshape(x.shape[0], heads_kv, group, *x.shape[2:])
+
+  def grouped_rows(x):  # [heads_q, total] -> [heads_kv, group, total]
+    return x.reshape(heads_kv, group, x.shape[-1])
+
+  def full(shape):
+    return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+
+  # Rows past the last tile of the last sequence absorb a tile's overhang, so
+  # the integer atomics need no mask (interpret mode cannot mask atomics).
+  dq_rows = total_q + block_q
+  dq_acc = jnp.zeros((dq_rows, heads_kv, group, d_pad), jnp.int32)
+  q_spec = pl.BlockSpec((total_q, None, group, d_pad),
+                        lambda i, s, h: (0, h, 0, 0))
+  kv_spec = pl.BlockSpec((total_k, None, d_pad), lambda i, s, h: (0, h, 0))
+  row_spec = pl.BlockSpec((None, group, total_q), lambda i, s, h: (h, 0, 0))
+  dq_spec = pl.BlockSpec((dq_rows, None, group, d_pad),
+                         lambda i, s, h: (0, h, 0, 0))
+  in_specs = [full(cu_seqlens_q.shape), full(cu_seqlens_k.shape), q_spec,
+              kv_spec, kv_spec, q_spec, row_spec, row_spec, row_spec]
+  args = [cu_seqlens_q, cu_seqlens_k, grouped(q), k, v, grouped(do),
+          grouped_rows(lse2), grouped_rows(delta), grouped_rows(inv_grid)]
+  if cfg.has_segments:
+    in_specs += [full(q_segment_ids.shape), full(kv_segment_ids.shape)]
+    args += [q_segment_ids, kv_segment_ids]
+  in_specs.append(dq_spec)
+  args.append(dq_acc)
+  kernel = functools.partial(
+      _backward_kernel, cfg=cfg, block_q=block_q, block_k=block_k,
+      head_dim=head_dim, group=group)
+  dq_acc, dk, dv = pl.pallas_call(
+      kernel,
+      grid=(pl.cdiv(max_seqlen_k, block_k), num_seqs, heads_kv),
+      in_specs=in_specs,
+      out_specs=[dq_spec, kv_spec, kv_spec],
+      out_shape=[
+          jax.ShapeDtypeStruct(dq_acc.shape, jnp.int32),
+          jax.ShapeDtypeStruct(k.shape, k.dtype),
+          jax.ShapeDtypeStruct(v.shape, v.dtype),
+      ],
+      input_output_aliases={len(args) - 1: 0},
+      compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps,
+                                           num_stages=blocks.num_stages),
+      interpret=interpret,
+      name="fold_flash_backward",
+  )(*args)
+
+  grid_step = 1.0 / inv_grid  # exact: powers of two
+  dq = dq_acc[:total_q, :, :, :head_dim].reshape(total_q, heads_q, head_dim)
+  dq = (dq.astype(jnp.float32) * grid_step.T[:, :, None]).astype(q.dtype)
+
+  dsinks = None
+  if sinks is not None:
+    # d lse_i / d sink = exp(sink - lse_i); d out_i / d sink = -P_sink,i out_i.
+    p_sink = jnp.exp2(sinks.astype(jnp.float32)[:, None] * LOG2E - lse2)
+    dsinks = -jnp.sum(p_sink * delta, axis=1)
+  return dq, dk, dv, dsinks

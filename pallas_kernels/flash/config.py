@@ -1,0 +1,110 @@
+"""Block sizes and launch parameters, chosen from a table the project ships.
+
+A sequence's bits depend on the tiling (tile boundaries decide the order of
+floating-point sums), so the table is keyed on what a caller cannot change
+per call without meaning to (GPU generation, head dim, dtype, mode, and the
+causal/windowed flag) and never on batch size or sequence length: a sequence
+gives the same bits alone, in a padded batch, or packed with others.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Literal
+
+import jax.numpy as jnp
+
+Mode = Literal["fwd", "bwd"]
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Tile shape and Triton launch parameters of one kernel.
+
+  block_q: query rows per tile. block_k: key rows per tile.
+  num_warps, num_stages: Triton's warps per program and pipelining depth.
+  """
+
+  block_q: int
+  block_k: int
+  num_warps: int
+  num_stages: int
+
+  def __post_init__(self):
+    for name in ("block_q", "block_k"):
+      b = getattr(self, name)
+      if b < 16 or b & (b - 1):
+        raise ValueError(f"{name} must be a power of two >= 16; got {b}.")
+
+
+# (compute capability major, head_dim bucket, itemsize, mode) -> BlockSizes.
+# Measured on the H200 (sm_90); benchmarks/autotune.py rewrites this table.
+_TABLE: dict[tuple[int, int, int, str], BlockSizes] = {
+    (9, 64, 2, "fwd"): BlockSizes(128, 64, 4, 3),
+    (9, 128, 2, "fwd"): BlockSizes(128, 64, 8, 3),
+    (9, 256, 2, "fwd"): BlockSizes(64, 32, 4, 2),
+    (9, 64, 4, "fwd"): BlockSizes(64, 32, 4, 2),
+    (9, 128, 4, "fwd"): BlockSizes(64, 32, 4, 2),
+    (9, 256, 4, "fwd"): BlockSizes(32, 32, 4, 1),
+    (9, 64, 2, "bwd"): BlockSizes(64, 128, 8, 2),
+    (9, 128, 2, "bwd"): BlockSizes(64, 128, 8, 2),
+    (9, 256, 2, "bwd"): BlockSizes(32, 64, 8, 1),
+    (9, 64, 4, "bwd"): BlockSizes(32, 64, 4, 1),
+    (9, 128, 4, "bwd"): BlockSizes(32, 64, 4, 1),
+    (9, 256, 4, "bwd"): BlockSizes(16, 32, 4, 1),
+}
+# Ampere and others: smaller shared memory than Hopper.
+_FALLBACK = {
+    (64, 2, "fwd"): BlockSizes(128, 64, 4, 2),
+    (128, 2, "fwd"): BlockSizes(64, 64, 4, 2),
+    (256, 2, "fwd"): BlockSizes(64, 32, 4, 1),
+    (64, 2, "bwd"): BlockSizes(64, 64, 4, 1),
+    (128, 2, "bwd"): BlockSizes(64, 64, 4, 1),
+    (256, 2, "bwd"): BlockSizes(32, 32, 4, 1),
+}
+# Interpret mode (CPU): small tiles keep the Python-level emulation fast and
+# make tests cross many tile boundaries on small shapes.
+INTERPRET_BLOCKS = BlockSizes(16, 16, 4, 1)
+
+
+def head_dim_bucket(head_dim: int) -> int:
+  """Padded head dim the kernel works in (a power of two, at least 16)."""
+  p = 16
+  while p < head_dim:
+    p *= 2
+  return p
+
+
+def _override_table() -> dict:
+  path = os.environ.get("FOLDAX_BLOCK_TABLE")
+  if not path:
+    return {}
+  with open(path) as f:
+    raw = json.load(f)
+  return {tuple(json.loads(k)): BlockSizes(**v) for k, v in raw.items()}
+
+
+def block_sizes_for(*, compute_capability: tuple[int, int] | None,
+                    head_dim: int, dtype, mode: Mode,
+                    interpret: bool) -> BlockSizes:
+  """The shipped choice for this GPU generation, head dim, dtype and mode."""
+  if interpret:
+    return INTERPRET_BLOCKS
+  d = max(64, head_dim_bucket(head_dim))
+  itemsize = min(4, jnp.dtype(dtype).itemsize)
+  major = compute_capability[0] if compute_capability else 8
+  key = (major, d, itemsize, mode)
+  override = _override_table()
+  if key in override:
+    return override[key]
+  if key in _TABLE:
+    return _TABLE[key]
+  fb = _FALLBACK.get((d, 2, mode))
+  if fb is None:
+    fb = BlockSizes(32, 32, 4, 1)
+  if itemsize == 4:
+    fb = BlockSizes(max(16, fb.block_q // 2), max(16, fb.block_k // 2),
+                    fb.num_warps, 1)
+  return fb

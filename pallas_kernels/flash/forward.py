@@ -1,0 +1,193 @@
+"""Flash-attention forward kernel over a packed token layout.
+
+Dense batches are packed too ([batch, seq] -> [batch * seq] with cu_seqlens =
+arange(batch + 1) * seq, a free reshape), so one kernel body serves dense,
+varlen, causal, windowed, GQA, segment-masked, sink and soft-capped attention
+through static arguments.
+
+Layouts:
+  q: [total_q, heads_q, head_dim]     k, v: [total_k, heads_kv, head_dim]
+  cu_seqlens_q, cu_seqlens_k: int32 [num_seqs + 1]
+  q_segment_ids: int32 [total_q], kv_segment_ids: int32 [total_k] (optional)
+  sinks: float32 [heads_q] (optional)
+Outputs:
+  out: [total_q, heads_q, head_dim] (rows outside every sequence unwritten)
+  lse2: float32 [heads_q, total_q], log-sum-exp in base 2; +inf for a row that
+    sees no key and has no sink (so the backward's exp2(s - lse2) is 0 there).
+
+Grid: (query tiles of the longest sequence, num_seqs, heads_q). Each program
+owns one query tile of one head and walks the key tiles its rows can see:
+first the unmasked band interior, then the masked edges; tiles no row can
+see are never visited.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.flash import _tiles
+from pallas_kernels.flash._tiles import LOG2E, MaskConfig
+from pallas_kernels.flash.config import BlockSizes, head_dim_bucket
+
+
+def dot_precision(dtype):
+  """fp32 inputs get full-precision dots (Triton would use TF32 otherwise)."""
+  return (lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None)
+
+
+def _forward_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, *refs,
+                    cfg: MaskConfig, block_q: int, block_k: int, head_dim: int,
+                    has_sinks: bool):
+  refs = list(refs)
+  q_seg_ref = k_seg_ref = sinks_ref = None
+  if cfg.has_segments:
+    q_seg_ref, k_seg_ref = refs.pop(0), refs.pop(0)
+  if has_sinks:
+    sinks_ref = refs.pop(0)
+  o_ref, lse_ref = refs
+
+  q_blk, seq, head = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  q_off = cu_q_ref[seq]
+  len_q = cu_q_ref[seq + 1] - q_off
+  k_off = cu_k_ref[seq]
+  len_k = cu_k_ref[seq + 1] - k_off
+  q0 = q_blk * block_q
+  d_pad = q_ref.shape[-1]
+  precision = dot_precision(q_ref.dtype)
+
+  @pl.when(q0 < len_q)
+  def _():
+    head_mask = (jnp.arange(d_pad) < head_dim)[None, :]
+    q_pos = q0 + jnp.arange(block_q)
+    q_valid = q_pos < len_q
+    q = plgpu.load(q_ref.at[pl.ds(q_off + q0, block_q), :],
+                   mask=q_valid[:, None] & head_mask, other=0.0)
+    q_seg = None
+    if cfg.has_segments:
+      q_seg = plgpu.load(q_seg_ref.at[pl.ds(q_off + q0, block_q)],
+                         mask=q_valid, other=-1)
+
+    lo, hi = _tiles.key_range(cfg, q0, block_q, len_q, len_k)
+    ulo, uhi = _tiles.unmasked_key_range(cfg, q0, block_q, len_q, len_k,
+                                         keys_in_bounds=True)
+    if cfg.has_segments:  # segments can cut any tile: mask them all
+      ulo, uhi = hi, hi
+    first, n_pre, full_first, n_full, post_first, n_post = _tiles.block_split(
+        lo, hi, ulo, uhi, block_k)
+
+    def step(k_blk, carry, masked: bool):
+      acc, m_prev, l_prev = carry
+      k0 = k_blk * block_k
+      k_pos = k0 + jnp.arange(block_k)
+      kv_mask = head_mask
+      if masked:
+        kv_mask = (k_pos < len_k)[:, None] & head_mask
+      k = plgpu.load(k_ref.at[pl.ds(k_off + k0, block_k), :], mask=kv_mask,
+                     other=0.0)
+      s = _tiles.scores_log2(
+          cfg, plgpu.dot(q, k, trans_b=True, precision=precision))
+      if masked:
+        k_seg = None
+        if cfg.has_segments:
+          k_seg = plgpu.load(k_seg_ref.at[pl.ds(k_off + k0, block_k)],
+                             mask=k_pos < len_k, other=-2)
+        vis = _tiles.visible(cfg, q_pos, k_pos, len_q, len_k, q_seg, k_seg)
+        s = jnp.where(vis, s, -jnp.inf)
+      m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+      if masked:  # a row may still have seen nothing: keep exp2 away from NaN
+        m_next_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
+      else:
+        m_next_safe = m_next
+      alpha = jnp.exp2(m_prev - m_next_safe)
+      p = jnp.exp2(s - m_next_safe[:, None])
+      l_next = l_prev * alpha + jnp.sum(p, axis=1)
+      v = plgpu.load(v_ref.at[pl.ds(k_off + k0, block_k), :], mask=kv_mask,
+                     other=0.0)
+      acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v,
+                                             precision=precision)
+      return acc, m_next, l_next
+
+    acc = jnp.zeros((block_q, d_pad), jnp.float32)
+    if has_sinks:
+      # The sink joins the denominator: start from m = sink, l = exp2(0) = 1.
+      m = jnp.full((block_q,), sinks_ref[head] * LOG2E, jnp.float32)
+      l = jnp.ones((block_q,), jnp.float32)
+    else:
+      m = jnp.full((block_q,), -jnp.inf, jnp.float32)
+      l = jnp.zeros((block_q,), jnp.float32)
+    carry = (acc, m, l)
+    carry = lax.fori_loop(
+        0, n_full, lambda t, c: step(full_first + t, c, False), carry)
+    carry = lax.fori_loop(
+        0, n_pre + n_post,
+        lambda t, c: step(jnp.where(t < n_pre, first + t,
+                                    post_first + t - n_pre), c, True), carry)
+    acc, m, l = carry
+    seen = l > 0.0
+    l_safe = jnp.where(seen, l, 1.0)
+    out = acc / l_safe[:, None]
+    lse2 = jnp.where(seen, m + jnp.log2(l_safe), jnp.inf)
+    plgpu.store(o_ref.at[pl.ds(q_off + q0, block_q), :],
+                out.astype(o_ref.dtype), mask=q_valid[:, None] & head_mask)
+    plgpu.store(lse_ref.at[pl.ds(q_off + q0, block_q)], lse2, mask=q_valid)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("cfg", "blocks", "max_seqlen_q", "interpret"))
+def flash_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, q_segment_ids=None,
+                  kv_segment_ids=None, sinks=None, *, cfg: MaskConfig,
+                  blocks: BlockSizes, max_seqlen_q: int,
+                  interpret: bool = False):
+  """Returns (out [total_q, heads_q, head_dim], lse2 [heads_q, total_q])."""
+  total_q, heads_q, head_dim = q.shape
+  total_k, heads_kv, _ = k.shape
+  group = heads_q // heads_kv
+  num_seqs = cu_seqlens_q.shape[0] - 1
+  d_pad = head_dim_bucket(head_dim)
+  block_q, block_k = blocks.block_q, blocks.block_k
+
+  def full(shape):
+    return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+
+  in_specs = [
+      full(cu_seqlens_q.shape),
+      full(cu_seqlens_k.shape),
+      pl.BlockSpec((total_q, None, d_pad), lambda i, s, h: (0, h, 0)),
+      pl.BlockSpec((total_k, None, d_pad), lambda i, s, h: (0, h // group, 0)),
+      pl.BlockSpec((total_k, None, d_pad), lambda i, s, h: (0, h // group, 0)),
+  ]
+  args = [cu_seqlens_q, cu_seqlens_k, q, k, v]
+  if cfg.has_segments:
+    in_specs += [full(q_segment_ids.shape), full(kv_segment_ids.shape)]
+    args += [q_segment_ids, kv_segment_ids]
+  if sinks is not None:
+    in_specs.append(full(sinks.shape))
+    args.append(sinks.astype(jnp.float32))
+  kernel = functools.partial(
+      _forward_kernel, cfg=cfg, block_q=block_q, block_k=block_k,
+      head_dim=head_dim, has_sinks=sinks is not None)
+  out, lse2 = pl.pallas_call(
+      kernel,
+      grid=(pl.cdiv(max_seqlen_q, block_q), num_seqs, heads_q),
+      in_specs=in_specs,
+      out_specs=[
+          pl.BlockSpec((total_q, None, d_pad), lambda i, s, h: (0, h, 0)),
+          pl.BlockSpec((None, total_q), lambda i, s, h: (h, 0)),
+      ],
+      out_shape=[
+          jax.ShapeDtypeStruct(q.shape, q.dtype),
+          jax.ShapeDtypeStruct((heads_q, total_q), jnp.float32),
+      ],
+      compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps,
+                                           num_stages=blocks.num_stages),
+      interpret=interpret,
+      name="fold_flash_forward",
+  )(*args)
+  return out, lse2
