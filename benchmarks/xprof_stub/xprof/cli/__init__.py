@@ -1,0 +1,1 @@
+"""Stand-in: see xprof/__init__.py."""

@@ -1,0 +1,135 @@
+"""CPU checks of the benchmark harness (benchmarks/): FLOP counting, shape
+parsing, the determinism helper, lazy imports, and one tiny end-to-end
+`python -m benchmarks.dense --smoke` run that must write valid JSON whether or
+not `jax_api.fold_attn_func` exists yet."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run(args, tmp_path=None, timeout=240):
+  env = dict(os.environ)
+  env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+  env.setdefault("JAX_PLATFORMS", "cpu")
+  return subprocess.run([sys.executable, *args], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=timeout)
+
+
+def test_flops_convention():
+  from benchmarks._timing import attention_flops
+  # anchors README: B2 H16 S8192 D128 causal fwd 0.93 ms = 592 TFLOP/s
+  f = attention_flops(2, 16, 8192, 8192, 128, True)
+  assert f == 4 * 2 * 16 * 8192 * 8192 * 128 / 2
+  assert abs(f / 0.93e-3 / 1e12 - 592) < 1
+  assert attention_flops(2, 16, 8192, 8192, 128, True, "fwd+bwd") == 3.5 * f
+  assert attention_flops(1, 1, 4, 4, 2, False) == 128
+  with pytest.raises(ValueError):
+    attention_flops(1, 1, 1, 1, 1, False, "bwd")
+
+
+def test_input_set_rotation():
+  from benchmarks._timing import L2_BYTES, n_input_sets
+  assert n_input_sets(4 * L2_BYTES) == 1
+  assert n_input_sets(L2_BYTES) == 2
+  assert n_input_sets(1) == 8  # capped
+
+
+def test_shapes_and_grid():
+  from benchmarks import dense
+  s = dense.parse_shape("b2-h16-kv2-s8192-d128-causal")
+  assert (s.B, s.Hq, s.Hkv, s.S, s.D, s.causal, s.dtype) == (
+      2, 16, 2, 8192, 128, True, "bf16")
+  s = dense.parse_shape("B4:H16:g8:S4096:D64:full:fp16")
+  assert (s.Hkv, s.causal, s.dtype) == (2, False, "fp16")
+  with pytest.raises(ValueError):
+    dense.parse_shape("b2-h16-s128")  # no head dim
+  grid = dense.default_grid()
+  assert len(grid) == 40 and len(set(grid)) == 40
+  assert grid[:2] == list(dense.QUICK_SHAPES)
+  assert all(g.B * g.S == 16384 and g.Hq == 16 and g.Hkv in (16, 2)
+             for g in grid)
+  args = dense.build_parser().parse_args(
+      ["--seqs", "4096", "--head-dims", "128", "--causal", "true"])
+  sel = dense.select_shapes(args)
+  assert [(x.S, x.D, x.causal) for x in sel] == [(4096, 128, True)] * 2
+  args = dense.build_parser().parse_args(["--quick"])
+  assert dense.select_shapes(args) == list(dense.QUICK_SHAPES)
+  assert dense.select_impls(dense.build_parser().parse_args([])) == list(
+      dense.DEFAULT_IMPLS)
+  assert dense.select_impls(dense.build_parser().parse_args(
+      ["--deterministic-cudnn"])) == ["jax_cudnn_det"]
+
+
+def test_bitwise_repeatable():
+  import jax.numpy as jnp
+  from benchmarks._timing import bitwise_repeatable
+  x = jnp.arange(8, dtype=jnp.bfloat16)
+  assert bitwise_repeatable(lambda a: (a * 2, (a + 1,)), (x,), n=3)
+  calls = []
+
+  def drifting(a):
+    calls.append(1)
+    return a + len(calls)
+  assert not bitwise_repeatable(drifting, (x,), n=3)
+
+
+def test_imports_are_lazy():
+  r = _run(["-c", "import sys, benchmarks.dense, benchmarks._timing; "
+                  "assert 'jax' not in sys.modules, 'jax'; "
+                  "assert 'torch' not in sys.modules, 'torch'; "
+                  "assert 'tokamax' not in sys.modules"])
+  assert r.returncode == 0, r.stderr
+
+
+def test_scripts_parse():
+  for sh in ("device_run.sh", "fetch_wheels.sh"):
+    r = subprocess.run(["bash", "-n", str(REPO / "benchmarks" / sh)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+  from benchmarks.xprof_stub.xprof.cli import tools  # tokamax's stand-in
+  assert tools.get_kernel_stats_tool is None
+
+
+def test_smoke_run_writes_json(tmp_path):
+  out = tmp_path / "smoke.json"
+  r = _run(["-m", "benchmarks.dense", "--smoke", "--output", str(out)])
+  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+  doc = json.loads(out.read_text())
+  md = doc["metadata"]
+  for k in ("command", "date", "versions", "git_commit", "jax_backend",
+            "conventions", "elapsed_s"):
+    assert k in md, k
+  recs = doc["records"]
+  need = {"impl", "B", "Hq", "Hkv", "S", "D", "causal", "dtype", "mode", "ms",
+          "tflops", "error"}
+  for rec in recs:
+    assert need <= set(rec), rec
+    assert rec["mode"] in ("fwd", "fwd+bwd", "check")
+    assert (rec["ms"] is not None) or rec["error"], rec
+  by = {(x["impl"], x["mode"]): x for x in recs}
+  for mode in ("fwd", "fwd+bwd"):
+    x = by[("jax_xla", mode)]
+    assert x["error"] is None and x["ms"] > 0 and x["tflops"] > 0
+    assert x["peak_mem_bytes"] > 0
+    assert ("ours", mode) in by  # measured, or an error string
+  assert by[("jax_xla", "fwd+bwd")]["bitwise_repeatable"] is True
+  chk = by[("ours", "check")]
+  if by[("ours", "fwd")]["error"] is None and chk["error"] is None:
+    assert chk["rel_err_out"] < 2e-2
+  # the table re-prints from the JSON, and merging two files appends records
+  t = _run(["-m", "benchmarks.dense", "--table", str(out)])
+  assert t.returncode == 0 and "ms/TFLOP/s" in t.stdout, t.stderr
+  merged = tmp_path / "merged.json"
+  m = _run(["-m", "benchmarks.dense", "--merge", str(out), str(out),
+            "--output", str(merged)])
+  assert m.returncode == 0, m.stderr
+  assert len(json.loads(merged.read_text())["records"]) == 2 * len(recs)
