@@ -45,6 +45,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.flash import _tiles
+from pallas_kernels.flash._atomics import relaxed_atomic_add
 from pallas_kernels.flash._tiles import LN2, LOG2E, MaskConfig
 from pallas_kernels.flash.config import BlockSizes, head_dim_bucket
 from pallas_kernels.flash.forward import dot_precision
@@ -90,12 +91,16 @@ def dq_inverse_grid(q_dtype_scale: float, k, v, do, delta, cu_seqlens_q,
 
 def _backward_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
                      delta_ref, inv_grid_ref, *refs, cfg: MaskConfig,
-                     block_q: int, block_k: int, head_dim: int, group: int):
+                     block_q: int, block_k: int, head_dim: int, group: int,
+                     dq_mode: str):
   refs = list(refs)
   q_seg_ref = k_seg_ref = None
   if cfg.has_segments:
     q_seg_ref, k_seg_ref = refs.pop(0), refs.pop(0)
-  _, dq_ref, dk_ref, dv_ref = refs  # refs[0] is dq's aliased input
+  if dq_mode == "atomic":
+    _, dq_ref, dk_ref, dv_ref = refs  # refs[0] is dq's aliased input
+  else:
+    dk_ref, dv_ref = refs
 
   k_blk, seq = pl.program_id(0), pl.program_id(1)
   q_off = cu_q_ref[seq]
@@ -142,7 +147,10 @@ def _backward_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
       do = plgpu.load(do_ref.at[rows, g, :], mask=row_mask, other=0.0)
       lse2 = plgpu.load(lse_ref.at[g, rows], mask=q_valid, other=0.0)
       delta = plgpu.load(delta_ref.at[g, rows], mask=q_valid, other=0.0)
-      inv_grid = plgpu.load(inv_grid_ref.at[g, rows], mask=q_valid, other=0.0)
+      inv_grid = None
+      if dq_mode == "atomic":
+        inv_grid = plgpu.load(inv_grid_ref.at[g, rows], mask=q_valid,
+                              other=0.0)
 
       s_t = _tiles.scores_log2(
           cfg, plgpu.dot(k, q, trans_b=True, precision=precision))
@@ -161,9 +169,11 @@ def _backward_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
         ds_t = ds_t * (1.0 - t * t)
       ds_t = ds_t.astype(dtype)
       dk = dk + plgpu.dot(ds_t, q, precision=precision)
-      dq_part = plgpu.dot(ds_t, k, trans_a=True, precision=precision)
-      dq_int = jnp.floor(dq_part * (cfg.scale * inv_grid)[:, None] + 0.5)
-      plgpu.atomic_add(dq_ref, (rows, g, slice(None)), dq_int.astype(jnp.int32))
+      if dq_mode == "atomic":
+        dq_part = plgpu.dot(ds_t, k, trans_a=True, precision=precision)
+        dq_int = jnp.floor(dq_part * (cfg.scale * inv_grid)[:, None] + 0.5)
+        relaxed_atomic_add(dq_ref, (rows, g, slice(None)),
+                           dq_int.astype(jnp.int32))
       return dk, dv
 
     def head(g, carry):
@@ -183,12 +193,92 @@ def _backward_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
                 dv.astype(dv_ref.dtype), mask=kv_mask)
 
 
+def _dq_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
+               delta_ref, *refs, cfg: MaskConfig, block_q: int, block_k: int,
+               head_dim: int):
+  """dQ without atomics: a program owns a query tile and recomputes P and dS
+  for every key tile it sees (two more products than the atomic path)."""
+  refs = list(refs)
+  q_seg_ref = k_seg_ref = None
+  if cfg.has_segments:
+    q_seg_ref, k_seg_ref = refs.pop(0), refs.pop(0)
+  (dq_ref,) = refs
+  q_blk, seq = pl.program_id(0), pl.program_id(1)
+  q_off = cu_q_ref[seq]
+  len_q = cu_q_ref[seq + 1] - q_off
+  k_off = cu_k_ref[seq]
+  len_k = cu_k_ref[seq + 1] - k_off
+  q0 = q_blk * block_q
+  d_pad = q_ref.shape[-1]
+  dtype = q_ref.dtype
+  precision = dot_precision(dtype)
+
+  @pl.when(q0 < len_q)
+  def _():
+    head_mask = (jnp.arange(d_pad) < head_dim)[None, :]
+    q_pos = q0 + jnp.arange(block_q)
+    q_valid = q_pos < len_q
+    rows = pl.ds(q_off + q0, block_q)
+    row_mask = q_valid[:, None] & head_mask
+    q = plgpu.load(q_ref.at[rows, :], mask=row_mask, other=0.0)
+    do = plgpu.load(do_ref.at[rows, :], mask=row_mask, other=0.0)
+    lse2 = plgpu.load(lse_ref.at[rows], mask=q_valid, other=0.0)
+    delta = plgpu.load(delta_ref.at[rows], mask=q_valid, other=0.0)
+    q_seg = None
+    if cfg.has_segments:
+      q_seg = plgpu.load(q_seg_ref.at[rows], mask=q_valid, other=-1)
+    lo, hi = _tiles.key_range(cfg, q0, block_q, len_q, len_k)
+    ulo, uhi = _tiles.unmasked_key_range(cfg, q0, block_q, len_q, len_k,
+                                         keys_in_bounds=False)
+    if cfg.has_segments:
+      ulo, uhi = hi, hi
+    first, n_pre, full_first, n_full, post_first, n_post = _tiles.block_split(
+        lo, hi, ulo, uhi, block_k)
+
+    def step(k_blk, dq, masked: bool):
+      k0 = k_blk * block_k
+      k_pos = k0 + jnp.arange(block_k)
+      kv_mask = (k_pos < len_k)[:, None] & head_mask
+      k = plgpu.load(k_ref.at[pl.ds(k_off + k0, block_k), :], mask=kv_mask,
+                     other=0.0)
+      v = plgpu.load(v_ref.at[pl.ds(k_off + k0, block_k), :], mask=kv_mask,
+                     other=0.0)
+      s = _tiles.scores_log2(
+          cfg, plgpu.dot(q, k, trans_b=True, precision=precision))
+      p = jnp.exp2(s - lse2[:, None])
+      if masked:
+        k_seg = None
+        if cfg.has_segments:
+          k_seg = plgpu.load(k_seg_ref.at[pl.ds(k_off + k0, block_k)],
+                             mask=k_pos < len_k, other=-2)
+        vis = _tiles.visible(cfg, q_pos, k_pos, len_q, len_k, q_seg, k_seg)
+        p = jnp.where(vis, p, 0.0)
+      dp = plgpu.dot(do, v, trans_b=True, precision=precision)
+      ds = p * (dp - delta[:, None])
+      if cfg.softcap > 0.0:
+        t = s * (LN2 / cfg.softcap)
+        ds = ds * (1.0 - t * t)
+      return dq + plgpu.dot(ds.astype(dtype), k, precision=precision)
+
+    dq = jnp.zeros((block_q, d_pad), jnp.float32)
+    dq = lax.fori_loop(0, n_full, lambda t, c: step(full_first + t, c, False),
+                       dq)
+    dq = lax.fori_loop(
+        0, n_pre + n_post,
+        lambda t, c: step(jnp.where(t < n_pre, first + t,
+                                    post_first + t - n_pre), c, True), dq)
+    plgpu.store(dq_ref.at[rows, :], (dq * cfg.scale).astype(dq_ref.dtype),
+                mask=row_mask)
+
+
 @functools.partial(
-    jax.jit, static_argnames=("cfg", "blocks", "max_seqlen_k", "interpret"))
+    jax.jit, static_argnames=("cfg", "blocks", "max_seqlen_q", "max_seqlen_k",
+                              "interpret", "dq_mode"))
 def flash_backward(q, k, v, out, lse2, do, cu_seqlens_q, cu_seqlens_k,
                    q_segment_ids=None, kv_segment_ids=None, sinks=None,
                    dlse=None, *, cfg: MaskConfig, blocks: BlockSizes,
-                   max_seqlen_k: int, interpret: bool = False):
+                   max_seqlen_q: int, max_seqlen_k: int,
+                   interpret: bool = False, dq_mode: str = "atomic"):
   """Gradients of `flash_forward`.
 
   Args:
@@ -197,10 +287,16 @@ def flash_backward(q, k, v, out, lse2, do, cu_seqlens_q, cu_seqlens_k,
     dlse: optional float32 [heads_q, total_q] cotangent of the natural-log
       LSE (it enters as dS_ij = P_ij (dP_ij - D_i + dlse_i)).
 
+    dq_mode: "atomic" (one pass, dQ on the integer grid) or "recompute" (a
+      second kernel recomputes P and dS per query tile; no atomics at all).
+      Both are bitwise deterministic.
+
   Returns:
     dq, dk, dv in the inputs' layouts and dtypes, and dsinks (float32
     [heads_q]) or None.
   """
+  if dq_mode not in ("atomic", "recompute"):
+    raise ValueError(f"dq_mode must be 'atomic' or 'recompute'; got {dq_mode!r}")
   total_q, heads_q, head_dim = q.shape
   total_k, heads_kv, _ = k.shape
   group = heads_q // heads_kv
@@ -243,34 +339,63 @@ def flash_backward(q, k, v, out, lse2, do, cu_seqlens_q, cu_seqlens_k,
               kv_spec, kv_spec, q_spec, row_spec, row_spec, row_spec]
   args = [cu_seqlens_q, cu_seqlens_k, grouped(q), k, v, grouped(do),
           grouped_rows(lse2), grouped_rows(delta), grouped_rows(inv_grid)]
+  seg_specs, seg_args = [], []
   if cfg.has_segments:
-    in_specs += [full(q_segment_ids.shape), full(kv_segment_ids.shape)]
-    args += [q_segment_ids, kv_segment_ids]
-  in_specs.append(dq_spec)
-  args.append(dq_acc)
+    seg_specs = [full(q_segment_ids.shape), full(kv_segment_ids.shape)]
+    seg_args = [q_segment_ids, kv_segment_ids]
+  in_specs += seg_specs
+  args += seg_args
+  out_specs = [kv_spec, kv_spec]
+  out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype),
+               jax.ShapeDtypeStruct(v.shape, v.dtype)]
+  aliases = {}
+  if dq_mode == "atomic":
+    in_specs.append(dq_spec)
+    args.append(dq_acc)
+    out_specs.insert(0, dq_spec)
+    out_shape.insert(0, jax.ShapeDtypeStruct(dq_acc.shape, jnp.int32))
+    aliases = {len(args) - 1: 0}
   kernel = functools.partial(
       _backward_kernel, cfg=cfg, block_q=block_q, block_k=block_k,
-      head_dim=head_dim, group=group)
-  dq_acc, dk, dv = pl.pallas_call(
+      head_dim=head_dim, group=group, dq_mode=dq_mode)
+  params = plgpu.CompilerParams(num_warps=blocks.num_warps,
+                                num_stages=blocks.num_stages)
+  outs = pl.pallas_call(
       kernel,
       grid=(pl.cdiv(max_seqlen_k, block_k), num_seqs, heads_kv),
       in_specs=in_specs,
-      out_specs=[dq_spec, kv_spec, kv_spec],
-      out_shape=[
-          jax.ShapeDtypeStruct(dq_acc.shape, jnp.int32),
-          jax.ShapeDtypeStruct(k.shape, k.dtype),
-          jax.ShapeDtypeStruct(v.shape, v.dtype),
-      ],
-      input_output_aliases={len(args) - 1: 0},
-      compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps,
-                                           num_stages=blocks.num_stages),
+      out_specs=out_specs,
+      out_shape=out_shape,
+      input_output_aliases=aliases,
+      compiler_params=params,
       interpret=interpret,
-      name="fold_flash_backward",
+      name="fold_flash_backward_dkdv",
   )(*args)
 
-  grid_step = 1.0 / inv_grid  # exact: powers of two
-  dq = dq_acc[:total_q, :, :, :head_dim].reshape(total_q, heads_q, head_dim)
-  dq = (dq.astype(jnp.float32) * grid_step.T[:, :, None]).astype(q.dtype)
+  if dq_mode == "atomic":
+    dq_acc, dk, dv = outs
+    grid_step = 1.0 / inv_grid  # exact: powers of two
+    dq = dq_acc[:total_q, :, :, :head_dim].reshape(total_q, heads_q, head_dim)
+    dq = (dq.astype(jnp.float32) * grid_step.T[:, :, None]).astype(q.dtype)
+  else:
+    dk, dv = outs
+    head_spec = pl.BlockSpec((total_q, None, d_pad), lambda i, s, h: (0, h, 0))
+    kvh_spec = pl.BlockSpec((total_k, None, d_pad),
+                            lambda i, s, h: (0, h // group, 0))
+    rows_spec = pl.BlockSpec((None, total_q), lambda i, s, h: (h, 0))
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, cfg=cfg, block_q=block_q,
+                          block_k=block_k, head_dim=head_dim),
+        grid=(pl.cdiv(max_seqlen_q, block_q), num_seqs, heads_q),
+        in_specs=[full(cu_seqlens_q.shape), full(cu_seqlens_k.shape),
+                  head_spec, kvh_spec, kvh_spec, head_spec, rows_spec,
+                  rows_spec, *seg_specs],
+        out_specs=head_spec,
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=params,
+        interpret=interpret,
+        name="fold_flash_backward_dq",
+    )(cu_seqlens_q, cu_seqlens_k, q, k, v, do, lse2, delta, *seg_args)
 
   dsinks = None
   if sinks is not None:

@@ -1,0 +1,209 @@
+"""Dense and packed-varlen attention: `fold_attn_func`, `fold_attn_varlen_func`.
+
+Both are differentiable in q, k, v and sinks (and through the returned LSE)
+with a bitwise-deterministic backward (`pallas_kernels.flash.backward`).
+Conventions (masks, sinks, soft-cap, fully masked rows) are those of
+`pallas_kernels.reference.dense`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jax_api import _validation as val
+from jax_api._backend import _gpu_capability, resolve_backend
+from jax_api._xla_attention import xla_attention
+from pallas_kernels.flash._tiles import LN2, MaskConfig
+from pallas_kernels.flash.backward import flash_backward, token_sequence_ids
+from pallas_kernels.flash.config import BlockSizes, block_sizes_for
+from pallas_kernels.flash.forward import flash_forward
+from pallas_kernels.reference.dense import dense_mask_spec, varlen_mask_spec
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12, 13))
+def _flash(q, k, v, sinks, cu_q, cu_k, q_seg, k_seg, cfg: MaskConfig,
+           fwd_blocks: BlockSizes, bwd_blocks: BlockSizes, max_seqlen_q: int,
+           max_seqlen_k: int, interpret: bool):
+  out, lse2 = flash_forward(q, k, v, cu_q, cu_k, q_seg, k_seg, sinks,
+                            cfg=cfg, blocks=fwd_blocks,
+                            max_seqlen_q=max_seqlen_q, interpret=interpret)
+  return out, _natural_lse(lse2)
+
+
+def _natural_lse(lse2):
+  # The kernel keeps +inf for rows that saw nothing (so exp2(s - lse2) = 0 in
+  # the backward); users get log(0) = -inf.
+  return jnp.where(lse2 == jnp.inf, -jnp.inf, lse2 * LN2)
+
+
+def _flash_fwd(q, k, v, sinks, cu_q, cu_k, q_seg, k_seg, cfg, fwd_blocks,
+               bwd_blocks, max_seqlen_q, max_seqlen_k, interpret):
+  out, lse2 = flash_forward(q, k, v, cu_q, cu_k, q_seg, k_seg, sinks,
+                            cfg=cfg, blocks=fwd_blocks,
+                            max_seqlen_q=max_seqlen_q, interpret=interpret)
+  res = (q, k, v, sinks, cu_q, cu_k, q_seg, k_seg, out, lse2)
+  return (out, _natural_lse(lse2)), res
+
+
+def _flash_bwd(cfg, fwd_blocks, bwd_blocks, max_seqlen_q, max_seqlen_k,
+               interpret, res, cotangents):
+  q, k, v, sinks, cu_q, cu_k, q_seg, k_seg, out, lse2 = res
+  do, dlse = cotangents
+  dlse = jnp.where(jnp.isfinite(dlse), dlse, 0.0).astype(jnp.float32)
+  dq, dk, dv, dsinks = flash_backward(
+      q, k, v, out, lse2, do.astype(q.dtype), cu_q, cu_k, q_seg, k_seg, sinks,
+      dlse, cfg=cfg, blocks=bwd_blocks, max_seqlen_q=max_seqlen_q,
+      max_seqlen_k=max_seqlen_k,
+      interpret=interpret)
+  if sinks is not None:
+    dsinks = dsinks.astype(sinks.dtype)
+  return dq, dk, dv, dsinks, None, None, None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def _blocks(head_dim: int, dtype, interpret: bool):
+  cc = None if interpret else _gpu_capability()
+  return (block_sizes_for(compute_capability=cc, head_dim=head_dim,
+                          dtype=dtype, mode="fwd", interpret=interpret),
+          block_sizes_for(compute_capability=cc, head_dim=head_dim,
+                          dtype=dtype, mode="bwd", interpret=interpret))
+
+
+def _check_common(q, k, v, sinks, window_size, softcap, softmax_scale,
+                  packed: bool):
+  val.check_qkv(q, k, v, packed=packed)
+  window = val.check_window(window_size)
+  softcap = val.check_softcap(softcap)
+  scale = val.check_softmax_scale(softmax_scale, q.shape[-1])
+  val.check_sinks(sinks, q.shape[-2])
+  return window, softcap, scale
+
+
+def fold_attn_func(q: jax.Array, k: jax.Array, v: jax.Array, *,
+                   causal: bool = False, softmax_scale: float | None = None,
+                   window_size: tuple[int, int] = (-1, -1),
+                   sinks: jax.Array | None = None, softcap: float = 0.0,
+                   segment_ids=None, return_lse: bool = False,
+                   backend: str = "auto"):
+  """Exact attention with a bitwise-deterministic backward.
+
+  Args:
+    q: [batch, seq_q, heads_q, head_dim] (bf16, fp16 or fp32).
+    k, v: [batch, seq_k, heads_kv, head_dim]; heads_q % heads_kv == 0.
+    causal: bottom-right aligned causal mask (query i sees keys
+      j <= i + seq_k - seq_q).
+    softmax_scale: defaults to 1/sqrt(head_dim).
+    window_size: (left, right) sliding window; -1 leaves a side unbounded.
+    sinks: float [heads_q] logits joining each row's softmax denominator.
+    softcap: if > 0, scores become softcap * tanh(scores / softcap).
+    segment_ids: int [batch, seq] (seq_q == seq_k) or a pair
+      (q_segment_ids [batch, seq_q], kv_segment_ids [batch, seq_k]); tokens
+      attend only within equal ids.
+    return_lse: also return the log-sum-exp [batch, heads_q, seq_q] (float32,
+      natural log, -inf for rows that see no key); differentiable.
+    backend: "auto", "pallas", "interpret" or "xla" (see jax_api._backend).
+
+  Returns:
+    out [batch, seq_q, heads_q, head_dim] in q's dtype (and lse).
+  """
+  window, softcap, scale = _check_common(q, k, v, sinks, window_size, softcap,
+                                         softmax_scale, packed=False)
+  b, sq, hq, d = q.shape
+  sk = k.shape[1]
+  segs = val.check_segment_ids(segment_ids, b, sq, sk)
+  be = resolve_backend(backend, kernel="fold_attn_func")
+  if be == "xla":
+    qs = dense_mask_spec(b, sq, None if segs is None else segs[0])
+    ks = dense_mask_spec(b, sk, None if segs is None else segs[1])
+    out, lse = xla_attention(q, k, v, qs, ks, sinks, causal=bool(causal),
+                             window_size=window, softcap=softcap,
+                             softmax_scale=scale)
+    return (out, lse) if return_lse else out
+  interpret = be == "interpret"
+  cfg = MaskConfig.make(causal=bool(causal), window_size=window,
+                        has_segments=segs is not None, softcap=softcap,
+                        scale=scale)
+  fwd_blocks, bwd_blocks = _blocks(d, q.dtype, interpret)
+  # A padded batch is a packed batch of equal lengths: a free reshape.
+  cu_q = jnp.arange(b + 1, dtype=jnp.int32) * sq
+  cu_k = jnp.arange(b + 1, dtype=jnp.int32) * sk
+  q_seg = k_seg = None
+  if segs is not None:
+    q_seg, k_seg = segs[0].reshape(-1), segs[1].reshape(-1)
+  out, lse = _flash(q.reshape(b * sq, hq, d), k.reshape(b * sk, *k.shape[2:]),
+                    v.reshape(b * sk, *v.shape[2:]), sinks, cu_q, cu_k, q_seg,
+                    k_seg, cfg, fwd_blocks, bwd_blocks, sq, sk, interpret)
+  out = out.reshape(b, sq, hq, d)
+  if not return_lse:
+    return out
+  return out, lse.reshape(hq, b, sq).transpose(1, 0, 2)
+
+
+def fold_attn_varlen_func(q: jax.Array, k: jax.Array, v: jax.Array,
+                          cu_seqlens_q: jax.Array,
+                          cu_seqlens_k: jax.Array | None = None,
+                          max_seqlen_q: int | None = None,
+                          max_seqlen_k: int | None = None, *,
+                          causal: bool = False,
+                          softmax_scale: float | None = None,
+                          window_size: tuple[int, int] = (-1, -1),
+                          sinks: jax.Array | None = None, softcap: float = 0.0,
+                          return_lse: bool = False, backend: str = "auto"):
+  """Packed variable-length attention (FlashAttention's varlen layout).
+
+  Args:
+    q: [total_q, heads_q, head_dim]; k, v: [total_k, heads_kv, head_dim].
+    cu_seqlens_q, cu_seqlens_k: int32 [num_seqs + 1] cumulative lengths
+      (cu_seqlens_k defaults to cu_seqlens_q). Tokens past cu_seqlens[-1]
+      belong to no sequence: their output is 0.
+    max_seqlen_q, max_seqlen_k: longest sequence (static Python ints). Taken
+      from concrete cu_seqlens when omitted; under `jax.jit` pass them, or the
+      kernel grid falls back to the packed length (correct, slower).
+    Other options as `fold_attn_func`; causal and windows align bottom-right
+    within each sequence. Tiles start at each sequence's start, so a
+    sequence's bits do not depend on what else is packed.
+
+  Returns:
+    out [total_q, heads_q, head_dim] (and lse [heads_q, total_q]).
+  """
+  window, softcap, scale = _check_common(q, k, v, sinks, window_size, softcap,
+                                         softmax_scale, packed=True)
+  if cu_seqlens_k is None:
+    cu_seqlens_k = cu_seqlens_q
+    if max_seqlen_k is None:
+      max_seqlen_k = max_seqlen_q
+  val.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0])
+  val.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0])
+  if cu_seqlens_q.shape != cu_seqlens_k.shape:
+    raise ValueError("cu_seqlens_q and cu_seqlens_k must describe the same "
+                     f"number of sequences; got shapes {cu_seqlens_q.shape} "
+                     f"and {cu_seqlens_k.shape}.")
+  cu_q = jnp.asarray(cu_seqlens_q, jnp.int32)
+  cu_k = jnp.asarray(cu_seqlens_k, jnp.int32)
+  be = resolve_backend(backend, kernel="fold_attn_varlen_func")
+  if be == "xla":
+    out, lse = xla_attention(
+        q[None], k[None], v[None], varlen_mask_spec(cu_q, q.shape[0]),
+        varlen_mask_spec(cu_k, k.shape[0]), sinks, causal=bool(causal),
+        window_size=window, softcap=softcap, softmax_scale=scale)
+    out, lse = out[0], lse[0]
+  else:
+    mq = val.concrete_max_seqlen("max_seqlen_q", cu_seqlens_q, max_seqlen_q)
+    mk = val.concrete_max_seqlen("max_seqlen_k", cu_seqlens_k, max_seqlen_k)
+    interpret = be == "interpret"
+    cfg = MaskConfig.make(causal=bool(causal), window_size=window,
+                          has_segments=False, softcap=softcap, scale=scale)
+    fwd_blocks, bwd_blocks = _blocks(q.shape[-1], q.dtype, interpret)
+    out, lse = _flash(q, k, v, sinks, cu_q, cu_k, None, None, cfg,
+                      fwd_blocks, bwd_blocks, mq or q.shape[0],
+                      mk or k.shape[0], interpret)
+    # Rows outside every sequence are never written by the kernel.
+    in_seq = token_sequence_ids(cu_q, q.shape[0]) < cu_q.shape[0] - 1
+    out = jnp.where(in_seq[:, None, None], out, 0).astype(q.dtype)
+    lse = jnp.where(in_seq[None, :], lse, -jnp.inf)
+  return (out, lse) if return_lse else out
