@@ -18,15 +18,16 @@ from jax_api._backend import _gpu_capability, resolve_backend
 from jax_api._xla_attention import xla_attention
 from pallas_kernels.flash._tiles import LN2, MaskConfig
 from pallas_kernels.flash.backward import flash_backward, token_sequence_ids
-from pallas_kernels.flash.config import BlockSizes, block_sizes_for
+from pallas_kernels.flash.config import BlockSizes, block_sizes_for, dq_mode
 from pallas_kernels.flash.forward import flash_forward
 from pallas_kernels.reference.dense import dense_mask_spec, varlen_mask_spec
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12, 13))
+@functools.partial(jax.custom_vjp,
+                   nondiff_argnums=(8, 9, 10, 11, 12, 13, 14))
 def _flash(q, k, v, sinks, cu_q, cu_k, q_seg, k_seg, cfg: MaskConfig,
            fwd_blocks: BlockSizes, bwd_blocks: BlockSizes, max_seqlen_q: int,
-           max_seqlen_k: int, interpret: bool):
+           max_seqlen_k: int, interpret: bool, dq_reduction: str):
   out, lse2 = flash_forward(q, k, v, cu_q, cu_k, q_seg, k_seg, sinks,
                             cfg=cfg, blocks=fwd_blocks,
                             max_seqlen_q=max_seqlen_q, interpret=interpret)
@@ -40,7 +41,7 @@ def _natural_lse(lse2):
 
 
 def _flash_fwd(q, k, v, sinks, cu_q, cu_k, q_seg, k_seg, cfg, fwd_blocks,
-               bwd_blocks, max_seqlen_q, max_seqlen_k, interpret):
+               bwd_blocks, max_seqlen_q, max_seqlen_k, interpret, dq_reduction):
   out, lse2 = flash_forward(q, k, v, cu_q, cu_k, q_seg, k_seg, sinks,
                             cfg=cfg, blocks=fwd_blocks,
                             max_seqlen_q=max_seqlen_q, interpret=interpret)
@@ -49,15 +50,14 @@ def _flash_fwd(q, k, v, sinks, cu_q, cu_k, q_seg, k_seg, cfg, fwd_blocks,
 
 
 def _flash_bwd(cfg, fwd_blocks, bwd_blocks, max_seqlen_q, max_seqlen_k,
-               interpret, res, cotangents):
+               interpret, dq_reduction, res, cotangents):
   q, k, v, sinks, cu_q, cu_k, q_seg, k_seg, out, lse2 = res
   do, dlse = cotangents
   dlse = jnp.where(jnp.isfinite(dlse), dlse, 0.0).astype(jnp.float32)
   dq, dk, dv, dsinks = flash_backward(
       q, k, v, out, lse2, do.astype(q.dtype), cu_q, cu_k, q_seg, k_seg, sinks,
       dlse, cfg=cfg, blocks=bwd_blocks, max_seqlen_q=max_seqlen_q,
-      max_seqlen_k=max_seqlen_k,
-      interpret=interpret)
+      max_seqlen_k=max_seqlen_k, interpret=interpret, dq_mode=dq_reduction)
   if sinks is not None:
     dsinks = dsinks.astype(sinks.dtype)
   return dq, dk, dv, dsinks, None, None, None, None
@@ -66,12 +66,16 @@ def _flash_bwd(cfg, fwd_blocks, bwd_blocks, max_seqlen_q, max_seqlen_k,
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def _blocks(head_dim: int, dtype, interpret: bool):
+def _kernel_plan(head_dim: int, dtype, interpret: bool):
+  """(forward blocks, backward blocks, dQ reduction) from the shipped table."""
   cc = None if interpret else _gpu_capability()
+  reduction = dq_mode()
+  bwd_mode = "bwd_atomic" if reduction == "atomic" else "bwd"
   return (block_sizes_for(compute_capability=cc, head_dim=head_dim,
                           dtype=dtype, mode="fwd", interpret=interpret),
           block_sizes_for(compute_capability=cc, head_dim=head_dim,
-                          dtype=dtype, mode="bwd", interpret=interpret))
+                          dtype=dtype, mode=bwd_mode, interpret=interpret),
+          reduction)
 
 
 def _check_common(q, k, v, sinks, window_size, softcap, softmax_scale,
@@ -128,7 +132,7 @@ def fold_attn_func(q: jax.Array, k: jax.Array, v: jax.Array, *,
   cfg = MaskConfig.make(causal=bool(causal), window_size=window,
                         has_segments=segs is not None, softcap=softcap,
                         scale=scale)
-  fwd_blocks, bwd_blocks = _blocks(d, q.dtype, interpret)
+  plan = _kernel_plan(d, q.dtype, interpret)
   # A padded batch is a packed batch of equal lengths: a free reshape.
   cu_q = jnp.arange(b + 1, dtype=jnp.int32) * sq
   cu_k = jnp.arange(b + 1, dtype=jnp.int32) * sk
@@ -137,7 +141,7 @@ def fold_attn_func(q: jax.Array, k: jax.Array, v: jax.Array, *,
     q_seg, k_seg = segs[0].reshape(-1), segs[1].reshape(-1)
   out, lse = _flash(q.reshape(b * sq, hq, d), k.reshape(b * sk, *k.shape[2:]),
                     v.reshape(b * sk, *v.shape[2:]), sinks, cu_q, cu_k, q_seg,
-                    k_seg, cfg, fwd_blocks, bwd_blocks, sq, sk, interpret)
+                    k_seg, cfg, plan[0], plan[1], sq, sk, interpret, plan[2])
   out = out.reshape(b, sq, hq, d)
   if not return_lse:
     return out
@@ -198,10 +202,10 @@ def fold_attn_varlen_func(q: jax.Array, k: jax.Array, v: jax.Array,
     interpret = be == "interpret"
     cfg = MaskConfig.make(causal=bool(causal), window_size=window,
                           has_segments=False, softcap=softcap, scale=scale)
-    fwd_blocks, bwd_blocks = _blocks(q.shape[-1], q.dtype, interpret)
-    out, lse = _flash(q, k, v, sinks, cu_q, cu_k, None, None, cfg,
-                      fwd_blocks, bwd_blocks, mq or q.shape[0],
-                      mk or k.shape[0], interpret)
+    plan = _kernel_plan(q.shape[-1], q.dtype, interpret)
+    out, lse = _flash(q, k, v, sinks, cu_q, cu_k, None, None, cfg, plan[0],
+                      plan[1], mq or q.shape[0], mk or k.shape[0], interpret,
+                      plan[2])
     # Rows outside every sequence are never written by the kernel.
     in_seq = token_sequence_ids(cu_q, q.shape[0]) < cu_q.shape[0] - 1
     out = jnp.where(in_seq[:, None, None], out, 0).astype(q.dtype)

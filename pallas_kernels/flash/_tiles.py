@@ -96,11 +96,12 @@ def query_range(cfg: MaskConfig, k0, block_k: int, len_q, len_k):
 
 
 def unmasked_query_range(cfg: MaskConfig, k0, block_k: int, len_q, len_k):
-  """Queries [lo, hi) that see every key of the tile (band interior)."""
+  """Queries [lo, hi) that see every key of the tile (band interior), all
+  inside the sequence (so their tiles load without masks)."""
   off = len_k - len_q
   k_last = k0 + block_k - 1
   lo = jnp.int32(0)
-  hi = jnp.int32(2**30)
+  hi = len_q
   if cfg.right >= 0:
     lo = jnp.maximum(lo, k_last - off - cfg.right)
   if cfg.left >= 0:
@@ -128,6 +129,23 @@ def block_split(lo, hi, ulo, uhi, block: int):
   n_full = full_last - full_first
   n_post = last - full_last
   return first, n_pre, full_first, n_full, full_last, n_post
+
+
+def mask_and(*masks):
+  """Conjunction of the masks that are not None (None: nothing masked)."""
+  out = None
+  for m in masks:
+    if m is not None:
+      out = m if out is None else out & m
+  return out
+
+
+def head_dim_mask(head_dim: int, d_pad: int):
+  """[1, d_pad] mask of real head-dim columns; None when nothing is padded,
+  so loads stay unmasked (vectorised, pipelined)."""
+  if head_dim == d_pad:
+    return None
+  return (jnp.arange(d_pad) < head_dim)[None, :]
 
 
 def visible(cfg: MaskConfig, q_pos, k_pos, len_q, len_k, q_seg=None,

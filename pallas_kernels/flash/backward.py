@@ -114,10 +114,10 @@ def _backward_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
 
   @pl.when(k0 < len_k)
   def _():
-    head_mask = (jnp.arange(d_pad) < head_dim)[None, :]
+    head_mask = _tiles.head_dim_mask(head_dim, d_pad)
     k_pos = k0 + jnp.arange(block_k)
     k_valid = k_pos < len_k
-    kv_mask = k_valid[:, None] & head_mask
+    kv_mask = _tiles.mask_and(k_valid[:, None], head_mask)
     k = plgpu.load(k_ref.at[pl.ds(k_off + k0, block_k), :], mask=kv_mask,
                    other=0.0)
     v = plgpu.load(v_ref.at[pl.ds(k_off + k0, block_k), :], mask=kv_mask,
@@ -142,14 +142,17 @@ def _backward_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
       q_valid = q_pos < len_q
       # Rows past the sequence load as zeros: their dO and D are 0, so they
       # add exact zeros to dK, dV and to other sequences' dQ rows.
-      row_mask = q_valid[:, None] & head_mask
+      # Unmasked tiles lie inside the sequence: their loads need no masks.
+      row_valid = q_valid if masked else None
+      row_mask = _tiles.mask_and(
+          None if row_valid is None else row_valid[:, None], head_mask)
       q = plgpu.load(q_ref.at[rows, g, :], mask=row_mask, other=0.0)
       do = plgpu.load(do_ref.at[rows, g, :], mask=row_mask, other=0.0)
-      lse2 = plgpu.load(lse_ref.at[g, rows], mask=q_valid, other=0.0)
-      delta = plgpu.load(delta_ref.at[g, rows], mask=q_valid, other=0.0)
+      lse2 = plgpu.load(lse_ref.at[g, rows], mask=row_valid, other=0.0)
+      delta = plgpu.load(delta_ref.at[g, rows], mask=row_valid, other=0.0)
       inv_grid = None
       if dq_mode == "atomic":
-        inv_grid = plgpu.load(inv_grid_ref.at[g, rows], mask=q_valid,
+        inv_grid = plgpu.load(inv_grid_ref.at[g, rows], mask=row_valid,
                               other=0.0)
 
       s_t = _tiles.scores_log2(
@@ -215,11 +218,11 @@ def _dq_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
 
   @pl.when(q0 < len_q)
   def _():
-    head_mask = (jnp.arange(d_pad) < head_dim)[None, :]
+    head_mask = _tiles.head_dim_mask(head_dim, d_pad)
     q_pos = q0 + jnp.arange(block_q)
     q_valid = q_pos < len_q
     rows = pl.ds(q_off + q0, block_q)
-    row_mask = q_valid[:, None] & head_mask
+    row_mask = _tiles.mask_and(q_valid[:, None], head_mask)
     q = plgpu.load(q_ref.at[rows, :], mask=row_mask, other=0.0)
     do = plgpu.load(do_ref.at[rows, :], mask=row_mask, other=0.0)
     lse2 = plgpu.load(lse_ref.at[rows], mask=q_valid, other=0.0)
@@ -229,7 +232,7 @@ def _dq_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
       q_seg = plgpu.load(q_seg_ref.at[rows], mask=q_valid, other=-1)
     lo, hi = _tiles.key_range(cfg, q0, block_q, len_q, len_k)
     ulo, uhi = _tiles.unmasked_key_range(cfg, q0, block_q, len_q, len_k,
-                                         keys_in_bounds=False)
+                                         keys_in_bounds=True)
     if cfg.has_segments:
       ulo, uhi = hi, hi
     first, n_pre, full_first, n_full, post_first, n_post = _tiles.block_split(
@@ -238,7 +241,9 @@ def _dq_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
     def step(k_blk, dq, masked: bool):
       k0 = k_blk * block_k
       k_pos = k0 + jnp.arange(block_k)
-      kv_mask = (k_pos < len_k)[:, None] & head_mask
+      kv_mask = head_mask
+      if masked:
+        kv_mask = _tiles.mask_and((k_pos < len_k)[:, None], head_mask)
       k = plgpu.load(k_ref.at[pl.ds(k_off + k0, block_k), :], mask=kv_mask,
                      other=0.0)
       v = plgpu.load(v_ref.at[pl.ds(k_off + k0, block_k), :], mask=kv_mask,
@@ -396,6 +401,8 @@ def flash_backward(q, k, v, out, lse2, do, cu_seqlens_q, cu_seqlens_k,
         interpret=interpret,
         name="fold_flash_backward_dq",
     )(cu_seqlens_q, cu_seqlens_k, q, k, v, do, lse2, delta, *seg_args)
+    # Tokens outside every sequence are never written by the dQ kernel.
+    dq = jnp.where(q_in_seq[0][:, None, None], dq, 0).astype(q.dtype)
 
   dsinks = None
   if sinks is not None:

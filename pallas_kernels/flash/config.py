@@ -16,7 +16,14 @@ from typing import Literal
 
 import jax.numpy as jnp
 
-Mode = Literal["fwd", "bwd"]
+Mode = Literal["fwd", "bwd", "bwd_atomic"]
+DqMode = Literal["atomic", "recompute"]
+
+# How dQ is reduced (both bitwise deterministic): "recompute" runs a second
+# kernel that owns each query tile; "atomic" adds integer-grid partials from
+# the dK/dV kernel. Measured on the H200 (benchmarks/results/h200): recompute
+# 4.7 ms vs atomic 7.1 ms for the B2 H16 S8192 D128 causal backward.
+DEFAULT_DQ_MODE: DqMode = "recompute"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,20 +47,27 @@ class BlockSizes:
 
 
 # (compute capability major, head_dim bucket, itemsize, mode) -> BlockSizes.
-# Measured on the H200 (sm_90); benchmarks/autotune.py rewrites this table.
+# Measured on the H200 (sm_90) with benchmarks/kernel_probe.py; the
+# FOLDAX_BLOCK_TABLE override file takes the same keys.
 _TABLE: dict[tuple[int, int, int, str], BlockSizes] = {
-    (9, 64, 2, "fwd"): BlockSizes(128, 64, 4, 3),
-    (9, 128, 2, "fwd"): BlockSizes(128, 64, 8, 3),
+    (9, 64, 2, "fwd"): BlockSizes(128, 64, 8, 3),
+    (9, 128, 2, "fwd"): BlockSizes(128, 128, 8, 3),
     (9, 256, 2, "fwd"): BlockSizes(64, 32, 4, 2),
     (9, 64, 4, "fwd"): BlockSizes(64, 32, 4, 2),
     (9, 128, 4, "fwd"): BlockSizes(64, 32, 4, 2),
     (9, 256, 4, "fwd"): BlockSizes(32, 32, 4, 1),
-    (9, 64, 2, "bwd"): BlockSizes(64, 128, 8, 2),
-    (9, 128, 2, "bwd"): BlockSizes(64, 128, 8, 2),
+    (9, 64, 2, "bwd"): BlockSizes(64, 64, 4, 2),
+    (9, 128, 2, "bwd"): BlockSizes(64, 64, 4, 2),
     (9, 256, 2, "bwd"): BlockSizes(32, 64, 8, 1),
     (9, 64, 4, "bwd"): BlockSizes(32, 64, 4, 1),
     (9, 128, 4, "bwd"): BlockSizes(32, 64, 4, 1),
     (9, 256, 4, "bwd"): BlockSizes(16, 32, 4, 1),
+    (9, 64, 2, "bwd_atomic"): BlockSizes(64, 128, 8, 2),
+    (9, 128, 2, "bwd_atomic"): BlockSizes(64, 128, 8, 2),
+    (9, 256, 2, "bwd_atomic"): BlockSizes(32, 64, 8, 1),
+    (9, 64, 4, "bwd_atomic"): BlockSizes(32, 64, 4, 1),
+    (9, 128, 4, "bwd_atomic"): BlockSizes(32, 64, 4, 1),
+    (9, 256, 4, "bwd_atomic"): BlockSizes(16, 32, 4, 1),
 }
 # Ampere and others: smaller shared memory than Hopper.
 _FALLBACK = {
@@ -101,10 +115,19 @@ def block_sizes_for(*, compute_capability: tuple[int, int] | None,
     return override[key]
   if key in _TABLE:
     return _TABLE[key]
-  fb = _FALLBACK.get((d, 2, mode))
+  fb = _FALLBACK.get((d, 2, "fwd" if mode == "fwd" else "bwd"))
   if fb is None:
     fb = BlockSizes(32, 32, 4, 1)
   if itemsize == 4:
     fb = BlockSizes(max(16, fb.block_q // 2), max(16, fb.block_k // 2),
                     fb.num_warps, 1)
   return fb
+
+
+def dq_mode() -> DqMode:
+  """The dQ reduction in use: FOLDAX_DQ_MODE if set, else the default."""
+  mode = os.environ.get("FOLDAX_DQ_MODE", DEFAULT_DQ_MODE)
+  if mode not in ("atomic", "recompute"):
+    raise ValueError(f"FOLDAX_DQ_MODE must be 'atomic' or 'recompute'; got "
+                     f"{mode!r}.")
+  return mode  # type: ignore[return-value]

@@ -63,11 +63,11 @@ def _forward_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, *refs,
 
   @pl.when(q0 < len_q)
   def _():
-    head_mask = (jnp.arange(d_pad) < head_dim)[None, :]
+    head_mask = _tiles.head_dim_mask(head_dim, d_pad)
     q_pos = q0 + jnp.arange(block_q)
     q_valid = q_pos < len_q
     q = plgpu.load(q_ref.at[pl.ds(q_off + q0, block_q), :],
-                   mask=q_valid[:, None] & head_mask, other=0.0)
+                   mask=_tiles.mask_and(q_valid[:, None], head_mask), other=0.0)
     q_seg = None
     if cfg.has_segments:
       q_seg = plgpu.load(q_seg_ref.at[pl.ds(q_off + q0, block_q)],
@@ -87,7 +87,7 @@ def _forward_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, *refs,
       k_pos = k0 + jnp.arange(block_k)
       kv_mask = head_mask
       if masked:
-        kv_mask = (k_pos < len_k)[:, None] & head_mask
+        kv_mask = _tiles.mask_and((k_pos < len_k)[:, None], head_mask)
       k = plgpu.load(k_ref.at[pl.ds(k_off + k0, block_k), :], mask=kv_mask,
                      other=0.0)
       s = _tiles.scores_log2(
@@ -134,7 +134,7 @@ def _forward_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, *refs,
     out = acc / l_safe[:, None]
     lse2 = jnp.where(seen, m + jnp.log2(l_safe), jnp.inf)
     plgpu.store(o_ref.at[pl.ds(q_off + q0, block_q), :],
-                out.astype(o_ref.dtype), mask=q_valid[:, None] & head_mask)
+                out.astype(o_ref.dtype), mask=_tiles.mask_and(q_valid[:, None], head_mask))
     plgpu.store(lse_ref.at[pl.ds(q_off + q0, block_q)], lse2, mask=q_valid)
 
 
