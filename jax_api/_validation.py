@@ -95,7 +95,7 @@ def check_window(window_size) -> tuple[int, int]:
 def check_softcap(softcap) -> float:
   if not isinstance(softcap, (int, float, np.floating, np.integer)):
     raise TypeError(f"softcap must be a Python float; got {softcap!r}.")
-  if softcap < 0:
+  if not softcap >= 0:  # also rejects NaN
     raise ValueError(f"softcap must be >= 0 (0 disables it); got {softcap}.")
   return float(softcap)
 
@@ -128,7 +128,9 @@ def check_segment_ids(segment_ids, batch: int, seq_q: int, seq_k: int):
   if isinstance(segment_ids, (tuple, list)):
     if len(segment_ids) != 2:
       raise TypeError("segment_ids must be an array [batch, seq] or a pair "
-                      "(q_segment_ids, kv_segment_ids).")
+                      "(q_segment_ids, kv_segment_ids); got a "
+                      f"{type(segment_ids).__name__} of length "
+                      f"{len(segment_ids)}.")
     qs, ks = segment_ids
   else:
     qs = ks = segment_ids
@@ -169,8 +171,10 @@ def check_cu_seqlens(name: str, cu, total: int) -> None:
 def concrete_max_seqlen(name: str, cu, given: int | None) -> int | None:
   """max_seqlen from the caller, else from a concrete `cu`, else None."""
   if given is not None:
-    if not isinstance(given, (int, np.integer)) or given < 1:
+    if not isinstance(given, (int, np.integer)):
       raise TypeError(f"{name} must be a positive Python int; got {given!r}.")
+    if given < 1:
+      raise ValueError(f"{name} must be >= 1; got {given!r}.")
     if not isinstance(cu, jax.core.Tracer):
       actual = int(np.max(np.diff(np.asarray(cu))))
       if actual > given:
