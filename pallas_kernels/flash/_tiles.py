@@ -15,6 +15,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental.pallas import triton as plgpu
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -138,6 +139,13 @@ def mask_and(*masks):
     if m is not None:
       out = m if out is None else out & m
   return out
+
+
+def load(ref, mask=None, other=0.0):
+  """`plgpu.load` that reads unmasked (and drops `other`) when mask is None."""
+  if mask is None:
+    return plgpu.load(ref)
+  return plgpu.load(ref, mask=mask, other=other)
 
 
 def head_dim_mask(head_dim: int, d_pad: int):

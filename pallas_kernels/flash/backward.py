@@ -118,13 +118,13 @@ def _backward_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
     k_pos = k0 + jnp.arange(block_k)
     k_valid = k_pos < len_k
     kv_mask = _tiles.mask_and(k_valid[:, None], head_mask)
-    k = plgpu.load(k_ref.at[pl.ds(k_off + k0, block_k), :], mask=kv_mask,
+    k = _tiles.load(k_ref.at[pl.ds(k_off + k0, block_k), :], mask=kv_mask,
                    other=0.0)
-    v = plgpu.load(v_ref.at[pl.ds(k_off + k0, block_k), :], mask=kv_mask,
+    v = _tiles.load(v_ref.at[pl.ds(k_off + k0, block_k), :], mask=kv_mask,
                    other=0.0)
     k_seg = None
     if cfg.has_segments:
-      k_seg = plgpu.load(k_seg_ref.at[pl.ds(k_off + k0, block_k)],
+      k_seg = _tiles.load(k_seg_ref.at[pl.ds(k_off + k0, block_k)],
                          mask=k_valid, other=-2)
 
     lo, hi = _tiles.query_range(cfg, k0, block_k, len_q, len_k)
@@ -146,13 +146,13 @@ def _backward_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
       row_valid = q_valid if masked else None
       row_mask = _tiles.mask_and(
           None if row_valid is None else row_valid[:, None], head_mask)
-      q = plgpu.load(q_ref.at[rows, g, :], mask=row_mask, other=0.0)
-      do = plgpu.load(do_ref.at[rows, g, :], mask=row_mask, other=0.0)
-      lse2 = plgpu.load(lse_ref.at[g, rows], mask=row_valid, other=0.0)
-      delta = plgpu.load(delta_ref.at[g, rows], mask=row_valid, other=0.0)
+      q = _tiles.load(q_ref.at[rows, g, :], mask=row_mask, other=0.0)
+      do = _tiles.load(do_ref.at[rows, g, :], mask=row_mask, other=0.0)
+      lse2 = _tiles.load(lse_ref.at[g, rows], mask=row_valid, other=0.0)
+      delta = _tiles.load(delta_ref.at[g, rows], mask=row_valid, other=0.0)
       inv_grid = None
       if dq_mode == "atomic":
-        inv_grid = plgpu.load(inv_grid_ref.at[g, rows], mask=row_valid,
+        inv_grid = _tiles.load(inv_grid_ref.at[g, rows], mask=row_valid,
                               other=0.0)
 
       s_t = _tiles.scores_log2(
@@ -161,7 +161,7 @@ def _backward_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
       if masked:
         q_seg = None
         if cfg.has_segments:
-          q_seg = plgpu.load(q_seg_ref.at[rows], mask=q_valid, other=-1)
+          q_seg = _tiles.load(q_seg_ref.at[rows], mask=q_valid, other=-1)
         vis = _tiles.visible(cfg, q_pos, k_pos, len_q, len_k, q_seg, k_seg)
         p_t = jnp.where(vis.T, p_t, 0.0)
       dv = dv + plgpu.dot(p_t.astype(dtype), do, precision=precision)
@@ -223,13 +223,13 @@ def _dq_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
     q_valid = q_pos < len_q
     rows = pl.ds(q_off + q0, block_q)
     row_mask = _tiles.mask_and(q_valid[:, None], head_mask)
-    q = plgpu.load(q_ref.at[rows, :], mask=row_mask, other=0.0)
-    do = plgpu.load(do_ref.at[rows, :], mask=row_mask, other=0.0)
-    lse2 = plgpu.load(lse_ref.at[rows], mask=q_valid, other=0.0)
-    delta = plgpu.load(delta_ref.at[rows], mask=q_valid, other=0.0)
+    q = _tiles.load(q_ref.at[rows, :], mask=row_mask, other=0.0)
+    do = _tiles.load(do_ref.at[rows, :], mask=row_mask, other=0.0)
+    lse2 = _tiles.load(lse_ref.at[rows], mask=q_valid, other=0.0)
+    delta = _tiles.load(delta_ref.at[rows], mask=q_valid, other=0.0)
     q_seg = None
     if cfg.has_segments:
-      q_seg = plgpu.load(q_seg_ref.at[rows], mask=q_valid, other=-1)
+      q_seg = _tiles.load(q_seg_ref.at[rows], mask=q_valid, other=-1)
     lo, hi = _tiles.key_range(cfg, q0, block_q, len_q, len_k)
     ulo, uhi = _tiles.unmasked_key_range(cfg, q0, block_q, len_q, len_k,
                                          keys_in_bounds=True)
@@ -244,9 +244,9 @@ def _dq_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
       kv_mask = head_mask
       if masked:
         kv_mask = _tiles.mask_and((k_pos < len_k)[:, None], head_mask)
-      k = plgpu.load(k_ref.at[pl.ds(k_off + k0, block_k), :], mask=kv_mask,
+      k = _tiles.load(k_ref.at[pl.ds(k_off + k0, block_k), :], mask=kv_mask,
                      other=0.0)
-      v = plgpu.load(v_ref.at[pl.ds(k_off + k0, block_k), :], mask=kv_mask,
+      v = _tiles.load(v_ref.at[pl.ds(k_off + k0, block_k), :], mask=kv_mask,
                      other=0.0)
       s = _tiles.scores_log2(
           cfg, plgpu.dot(q, k, trans_b=True, precision=precision))
@@ -254,7 +254,7 @@ def _dq_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
       if masked:
         k_seg = None
         if cfg.has_segments:
-          k_seg = plgpu.load(k_seg_ref.at[pl.ds(k_off + k0, block_k)],
+          k_seg = _tiles.load(k_seg_ref.at[pl.ds(k_off + k0, block_k)],
                              mask=k_pos < len_k, other=-2)
         vis = _tiles.visible(cfg, q_pos, k_pos, len_q, len_k, q_seg, k_seg)
         p = jnp.where(vis, p, 0.0)
@@ -403,6 +403,11 @@ def flash_backward(q, k, v, out, lse2, do, cu_seqlens_q, cu_seqlens_k,
     )(cu_seqlens_q, cu_seqlens_k, q, k, v, do, lse2, delta, *seg_args)
     # Tokens outside every sequence are never written by the dQ kernel.
     dq = jnp.where(q_in_seq[0][:, None, None], dq, 0).astype(q.dtype)
+  # Nor are keys outside every sequence written by the dK/dV kernel.
+  k_in_seq = (token_sequence_ids(cu_seqlens_k, total_k) < num_seqs)[:, None,
+                                                                    None]
+  dk = jnp.where(k_in_seq, dk, 0).astype(k.dtype)
+  dv = jnp.where(k_in_seq, dv, 0).astype(v.dtype)
 
   dsinks = None
   if sinks is not None:

@@ -66,11 +66,11 @@ def _forward_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, *refs,
     head_mask = _tiles.head_dim_mask(head_dim, d_pad)
     q_pos = q0 + jnp.arange(block_q)
     q_valid = q_pos < len_q
-    q = plgpu.load(q_ref.at[pl.ds(q_off + q0, block_q), :],
+    q = _tiles.load(q_ref.at[pl.ds(q_off + q0, block_q), :],
                    mask=_tiles.mask_and(q_valid[:, None], head_mask), other=0.0)
     q_seg = None
     if cfg.has_segments:
-      q_seg = plgpu.load(q_seg_ref.at[pl.ds(q_off + q0, block_q)],
+      q_seg = _tiles.load(q_seg_ref.at[pl.ds(q_off + q0, block_q)],
                          mask=q_valid, other=-1)
 
     lo, hi = _tiles.key_range(cfg, q0, block_q, len_q, len_k)
@@ -88,14 +88,14 @@ def _forward_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, *refs,
       kv_mask = head_mask
       if masked:
         kv_mask = _tiles.mask_and((k_pos < len_k)[:, None], head_mask)
-      k = plgpu.load(k_ref.at[pl.ds(k_off + k0, block_k), :], mask=kv_mask,
+      k = _tiles.load(k_ref.at[pl.ds(k_off + k0, block_k), :], mask=kv_mask,
                      other=0.0)
       s = _tiles.scores_log2(
           cfg, plgpu.dot(q, k, trans_b=True, precision=precision))
       if masked:
         k_seg = None
         if cfg.has_segments:
-          k_seg = plgpu.load(k_seg_ref.at[pl.ds(k_off + k0, block_k)],
+          k_seg = _tiles.load(k_seg_ref.at[pl.ds(k_off + k0, block_k)],
                              mask=k_pos < len_k, other=-2)
         vis = _tiles.visible(cfg, q_pos, k_pos, len_q, len_k, q_seg, k_seg)
         s = jnp.where(vis, s, -jnp.inf)
@@ -107,7 +107,7 @@ def _forward_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, *refs,
       alpha = jnp.exp2(m_prev - m_next_safe)
       p = jnp.exp2(s - m_next_safe[:, None])
       l_next = l_prev * alpha + jnp.sum(p, axis=1)
-      v = plgpu.load(v_ref.at[pl.ds(k_off + k0, block_k), :], mask=kv_mask,
+      v = _tiles.load(v_ref.at[pl.ds(k_off + k0, block_k), :], mask=kv_mask,
                      other=0.0)
       acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v,
                                              precision=precision)

@@ -1,0 +1,333 @@
+"""Dense/varlen flash attention (Pallas kernel in interpret mode) against the
+float32 reference: forward, LSE and every gradient, plus determinism and
+batch invariance. GPU twins of the key checks are marked `gpu`."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from jax_api import fold_attn_func, fold_attn_varlen_func
+from pallas_kernels.reference import (attention_reference,
+                                      varlen_attention_reference)
+
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2, jnp.float16: 4e-3}
+ON_GPU = jax.devices()[0].platform == "gpu"
+
+
+def _rand(rng, shape, dtype):
+  return jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dtype)
+
+
+def _rel(a, b):
+  a = np.asarray(a, np.float64)
+  b = np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def _check_against_reference(*, b, sq, sk, hq, hkv, d, dtype=jnp.float32,
+                             causal=False, window=(-1, -1), sinks=False,
+                             softcap=0.0, scale=None, segments=False,
+                             backend="interpret", seed=0):
+  rng = np.random.default_rng(seed)
+  q = _rand(rng, (b, sq, hq, d), dtype)
+  k = _rand(rng, (b, sk, hkv, d), dtype)
+  v = _rand(rng, (b, sk, hkv, d), dtype)
+  do = _rand(rng, (b, sq, hq, d), dtype)
+  dlse = _rand(rng, (b, hq, sq), jnp.float32)
+  sink = _rand(rng, (hq,), jnp.float32) if sinks else None
+  seg = None
+  if segments:
+    assert sq == sk
+    cut = sorted(rng.integers(1, sq, size=2))
+    ids = np.zeros((b, sq), np.int32)
+    ids[:, cut[0]:] = 1
+    ids[:, cut[1]:] = 2
+    seg = jnp.asarray(ids)
+  opts = dict(causal=causal, window_size=window, softcap=softcap,
+              softmax_scale=scale)
+
+  def ours(q, k, v, s):
+    return fold_attn_func(q, k, v, sinks=s, segment_ids=seg, return_lse=True,
+                          backend=backend, **opts)
+
+  def ref(q, k, v, s):
+    return attention_reference(q, k, v, sinks=s, segment_ids=seg, **opts)
+
+  (out, lse), vjp = jax.vjp(ours, q, k, v, sink)
+  f32 = lambda x: None if x is None else x.astype(jnp.float32)
+  (rout, rlse), rvjp = jax.vjp(ref, f32(q), f32(k), f32(v), sink)
+  assert out.dtype == q.dtype and out.shape == q.shape
+  assert not jnp.any(jnp.isnan(out))
+  tol = TOL[dtype]
+  assert _rel(out, rout) < tol
+  finite = jnp.isfinite(rlse)
+  assert bool(jnp.all(jnp.isfinite(lse) == finite))
+  np.testing.assert_allclose(np.where(finite, lse, 0), np.where(finite, rlse, 0),
+                             atol=tol * 10, rtol=tol)
+  dlse_used = jnp.where(finite, dlse, 0.0)
+  grads = vjp((do, dlse_used))
+  rgrads = rvjp((f32(do), dlse_used))
+  for name, g, rg in zip(("dq", "dk", "dv", "dsinks"), grads, rgrads):
+    if rg is None:
+      continue
+    assert g.dtype == (sink.dtype if name == "dsinks" else dtype), name
+    assert not jnp.any(jnp.isnan(g)), name
+    assert _rel(g, rg) < 2 * tol, (name, _rel(g, rg))
+  return out, grads
+
+
+# Each case: shapes and options; lengths are deliberately not multiples of the
+# 16-row interpret tiles, and several have seq_q != seq_k.
+CASES = {
+    "plain": dict(b=2, sq=37, sk=37, hq=2, hkv=2, d=32),
+    "causal_sq_lt_sk": dict(b=1, sq=21, sk=45, hq=2, hkv=2, d=32, causal=True),
+    "causal_sq_gt_sk_masked_rows": dict(b=1, sq=40, sk=19, hq=4, hkv=1, d=32,
+                                        causal=True),
+    "gqa4_window": dict(b=1, sq=50, sk=50, hq=8, hkv=2, d=32, causal=True,
+                        window=(9, -1)),
+    "gqa8_two_sided_window": dict(b=1, sq=33, sk=41, hq=8, hkv=1, d=32,
+                                  window=(6, 4)),
+    "sinks_softcap_scale": dict(b=2, sq=23, sk=30, hq=4, hkv=2, d=32,
+                                causal=True, sinks=True, softcap=3.0,
+                                scale=0.3),
+    "segments": dict(b=2, sq=40, sk=40, hq=2, hkv=1, d=32, segments=True,
+                     causal=True),
+    "head_dim_48_padded": dict(b=1, sq=20, sk=20, hq=2, hkv=2, d=48),
+    "head_dim_96": dict(b=1, sq=17, sk=17, hq=2, hkv=1, d=96, causal=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_matches_reference_fp32(name):
+  _check_against_reference(**CASES[name])
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_matches_reference_half(dtype):
+  _check_against_reference(b=1, sq=35, sk=35, hq=4, hkv=2, d=64, dtype=dtype,
+                           causal=True, sinks=True)
+
+
+@pytest.mark.parametrize("mode", ["atomic", "recompute"])
+def test_both_dq_reductions(mode, monkeypatch):
+  monkeypatch.setenv("FOLDAX_DQ_MODE", mode)
+  _check_against_reference(b=1, sq=29, sk=36, hq=4, hkv=2, d=32, causal=True,
+                           window=(20, -1), sinks=True, seed=3)
+
+
+def test_xla_backend_through_public_api():
+  _check_against_reference(**CASES["sinks_softcap_scale"], backend="xla")
+
+
+@settings(max_examples=4, deadline=None)
+@given(sq=st.integers(1, 40), sk=st.integers(1, 40), group=st.sampled_from(
+    [1, 2, 4]), causal=st.booleans(), left=st.integers(-1, 12),
+       seed=st.integers(0, 2**16))
+def test_property_random_shapes(sq, sk, group, causal, left, seed):
+  _check_against_reference(b=1, sq=sq, sk=sk, hq=group, hkv=1, d=32,
+                           causal=causal, window=(left, -1), seed=seed)
+
+
+def _varlen_case(dtype=jnp.float32, seed=0):
+  rng = np.random.default_rng(seed)
+  lens_q = [5, 17, 1, 23]
+  lens_k = [9, 17, 4, 20]
+  cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+  cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+  tq, tk = int(cu_q[-1]) + 3, int(cu_k[-1]) + 2  # tails outside sequences
+  q = _rand(rng, (tq, 4, 32), dtype)
+  k = _rand(rng, (tk, 2, 32), dtype)
+  v = _rand(rng, (tk, 2, 32), dtype)
+  do = _rand(rng, (tq, 4, 32), dtype)
+  return q, k, v, do, jnp.asarray(cu_q), jnp.asarray(cu_k)
+
+
+@pytest.mark.parametrize("backend", ["interpret", "xla"])
+def test_varlen_matches_reference(backend):
+  q, k, v, do, cu_q, cu_k = _varlen_case()
+  opts = dict(causal=True, window_size=(7, -1))
+  ours = lambda q, k, v: fold_attn_varlen_func(q, k, v, cu_q, cu_k,
+                                               backend=backend, **opts)
+  ref = lambda q, k, v: varlen_attention_reference(q, k, v, cu_q, cu_k,
+                                                   **opts)[0]
+  out, vjp = jax.vjp(ours, q, k, v)
+  rout, rvjp = jax.vjp(ref, q, k, v)
+  assert _rel(out, rout) < 2e-5
+  assert bool(jnp.all(out[int(cu_q[-1]):] == 0))  # tail rows are zeros
+  grads = vjp(do)
+  for g, rg in zip(grads, rvjp(do)):
+    assert _rel(g, rg) < 4e-5
+  dq, dk, dv = grads
+  assert bool(jnp.all(dq[int(cu_q[-1]):] == 0))
+  assert bool(jnp.all(dk[int(cu_k[-1]):] == 0))
+  assert bool(jnp.all(dv[int(cu_k[-1]):] == 0))
+
+
+def _grads(fn, *args):
+  out, vjp = jax.vjp(fn, *args[:-1])
+  return (out,) + tuple(vjp(args[-1]))
+
+
+@pytest.mark.parametrize("mode", ["atomic", "recompute"])
+def test_backward_bitwise_repeatable_20_runs(mode, monkeypatch):
+  monkeypatch.setenv("FOLDAX_DQ_MODE", mode)
+  rng = np.random.default_rng(7)
+  q = _rand(rng, (2, 40, 4, 32), jnp.bfloat16)
+  k = _rand(rng, (2, 40, 2, 32), jnp.bfloat16)
+  v = _rand(rng, (2, 40, 2, 32), jnp.bfloat16)
+  do = _rand(rng, (2, 40, 4, 32), jnp.bfloat16)
+  fn = jax.jit(lambda q, k, v, do: _grads(
+      functools.partial(fold_attn_func, causal=True, backend="interpret"),
+      q, k, v, do))
+  first = fn(q, k, v, do)
+  for _ in range(19):
+    again = fn(q, k, v, do)
+    for a, b in zip(first, again):
+      assert bool(jnp.all(a == b))
+
+
+@pytest.mark.parametrize("mode", ["atomic", "recompute"])
+def test_sequence_bits_independent_of_batch_and_packing(mode, monkeypatch):
+  """A sequence alone, inside a padded batch, and packed with others through
+  the varlen API gives identical output and gradient bits."""
+  monkeypatch.setenv("FOLDAX_DQ_MODE", mode)
+  rng = np.random.default_rng(11)
+  s, hq, hkv, d = 37, 4, 2, 32
+  dtype = jnp.bfloat16
+  q, do = (_rand(rng, (3, s, hq, d), dtype) for _ in range(2))
+  k, v = (_rand(rng, (3, s, hkv, d), dtype) for _ in range(2))
+  opts = dict(causal=True, backend="interpret")
+
+  alone = _grads(functools.partial(fold_attn_func, **opts),
+                 q[1:2], k[1:2], v[1:2], do[1:2])
+  batched = _grads(functools.partial(fold_attn_func, **opts), q, k, v, do)
+  for a, b in zip(alone, batched):
+    assert bool(jnp.all(a[0] == b[1]))
+
+  # Pack sequence 1 between two others of different lengths.
+  other_q = _rand(rng, (13, hq, d), dtype)
+  other_k = _rand(rng, (13, hkv, d), dtype)
+  tail_q = _rand(rng, (22, hq, d), dtype)
+  tail_k = _rand(rng, (22, hkv, d), dtype)
+  pq = jnp.concatenate([other_q, q[1], tail_q])
+  pk = jnp.concatenate([other_k, k[1], tail_k])
+  pv = jnp.concatenate([other_k[::-1], v[1], tail_k[::-1]])
+  pdo = jnp.concatenate([other_q[::-1], do[1], tail_q[::-1]])
+  cu = jnp.array([0, 13, 13 + s, 13 + s + 22], jnp.int32)
+  packed = _grads(functools.partial(fold_attn_varlen_func, cu_seqlens_q=cu,
+                                    **opts), pq, pk, pv, pdo)
+  for a, b in zip(alone, packed):
+    assert bool(jnp.all(a[0] == b[13:13 + s]))
+
+
+def test_transforms_jit_vmap_checkpoint_grad():
+  rng = np.random.default_rng(5)
+  q = _rand(rng, (3, 2, 19, 2, 32), jnp.float32)  # extra leading axis
+  k = _rand(rng, (3, 2, 19, 1, 32), jnp.float32)
+  v = _rand(rng, (3, 2, 19, 1, 32), jnp.float32)
+  attn = functools.partial(fold_attn_func, causal=True, backend="interpret")
+  loss = lambda q, k, v: jnp.sum(jnp.sin(jax.vmap(attn)(q, k, v)))
+  g = jax.jit(jax.grad(jax.checkpoint(loss), argnums=(0, 1, 2)))(q, k, v)
+  ref_attn = lambda q, k, v: attention_reference(q, k, v, causal=True)[0]
+  rloss = lambda q, k, v: jnp.sum(jnp.sin(jax.vmap(ref_attn)(q, k, v)))
+  rg = jax.grad(rloss, argnums=(0, 1, 2))(q, k, v)
+  for a, b in zip(g, rg):
+    assert _rel(a, b) < 2e-5
+
+
+def test_static_options_do_not_recompile():
+  rng = np.random.default_rng(2)
+  q = _rand(rng, (1, 16, 2, 32), jnp.float32)
+  fn = jax.jit(lambda q: fold_attn_func(q, q, q, causal=True,
+                                        window_size=(4, -1), softcap=2.0,
+                                        backend="interpret"))
+  fn(q)
+  n = fn._cache_size()
+  fn(q + 1.0)
+  fn(q * 2.0)
+  assert fn._cache_size() == n
+
+
+def test_lowers_for_triton_on_cpu(monkeypatch):
+  """The kernels lower to Triton IR (what the GPU compiles) on any machine."""
+  from jax._src.pallas.triton import gpu_info, pallas_call_registration
+  from pallas_kernels.flash._tiles import MaskConfig
+  from pallas_kernels.flash.backward import flash_backward
+  from pallas_kernels.flash.config import block_sizes_for
+  from pallas_kernels.flash.forward import flash_forward
+  monkeypatch.setattr(
+      pallas_call_registration.gpu_info_lib, "get_gpu_info",
+      lambda *a, **k: gpu_info.GpuInfo(gpu_version=gpu_info.GpuVersion.H200,
+                                       arch_name="9.0", compute_capability=90))
+  sds = jax.ShapeDtypeStruct
+  t, hq, hkv = 512, 8, 2
+  for d, dtype, segments, mode in ((128, jnp.bfloat16, False, "recompute"),
+                                   (96, jnp.float16, True, "atomic"),
+                                   (64, jnp.float32, False, "atomic")):
+    q = sds((t, hq, d), dtype)
+    kv = sds((t, hkv, d), dtype)
+    cu = sds((3,), jnp.int32)
+    rows = sds((hq, t), jnp.float32)
+    seg = sds((t,), jnp.int32) if segments else None
+    sink = sds((hq,), jnp.float32)
+    cfg = MaskConfig.make(causal=True, window_size=(64, -1),
+                          has_segments=segments, softcap=5.0, scale=0.1)
+    bf = block_sizes_for(compute_capability=(9, 0), head_dim=d, dtype=dtype,
+                         mode="fwd", interpret=False)
+    bb = block_sizes_for(compute_capability=(9, 0), head_dim=d, dtype=dtype,
+                         mode="bwd" if mode == "recompute" else "bwd_atomic",
+                         interpret=False)
+    fwd = jax.jit(lambda *a: flash_forward(*a, cfg=cfg, blocks=bf,
+                                           max_seqlen_q=256))
+    txt = fwd.trace(q, kv, kv, cu, cu, seg, seg, sink).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "triton" in txt.lower()
+    bwd = jax.jit(lambda *a: flash_backward(
+        *a, cfg=cfg, blocks=bb, max_seqlen_q=256, max_seqlen_k=256,
+        dq_mode=mode))
+    bwd.trace(q, kv, kv, q, rows, q, cu, cu, seg, seg, sink).lower(
+        lowering_platforms=("cuda",))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_gpu_matches_reference(dtype):
+  for case in ("causal_sq_gt_sk_masked_rows", "gqa4_window",
+               "sinks_softcap_scale", "segments", "head_dim_96"):
+    _check_against_reference(**CASES[case], dtype=dtype, backend="pallas")
+  _check_against_reference(b=2, sq=1000, sk=1000, hq=8, hkv=2, d=128,
+                           dtype=dtype, causal=True, backend="pallas")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("mode", ["atomic", "recompute"])
+def test_gpu_bitwise_repeatable_and_batch_invariant(mode, monkeypatch):
+  monkeypatch.setenv("FOLDAX_DQ_MODE", mode)
+  rng = np.random.default_rng(1)
+  q, do = (_rand(rng, (4, 1024, 8, 128), jnp.bfloat16) for _ in range(2))
+  k, v = (_rand(rng, (4, 1024, 2, 128), jnp.bfloat16) for _ in range(2))
+  fn = jax.jit(lambda q, k, v, do: _grads(
+      functools.partial(fold_attn_func, causal=True, backend="pallas"),
+      q, k, v, do))
+  first = fn(q, k, v, do)
+  for _ in range(19):
+    for a, b in zip(first, fn(q, k, v, do)):
+      assert bool(jnp.all(a == b))
+  alone = fn(q[2:3], k[2:3], v[2:3], do[2:3])
+  for a, b in zip(alone, first):
+    assert bool(jnp.all(a[0] == b[2]))
+  cu = jnp.arange(5, dtype=jnp.int32) * 1024
+  packed = _grads(functools.partial(fold_attn_varlen_func, cu_seqlens_q=cu,
+                                    max_seqlen_q=1024, causal=True,
+                                    backend="pallas"),
+                  *(x.reshape(-1, *x.shape[2:]) for x in (q, k, v, do)))
+  for a, b in zip(alone, packed):
+    assert bool(jnp.all(a[0] == b[2048:3072]))
