@@ -206,7 +206,10 @@ def _dq_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
   if cfg.has_segments:
     q_seg_ref, k_seg_ref = refs.pop(0), refs.pop(0)
   (dq_ref,) = refs
-  q_blk, seq = pl.program_id(0), pl.program_id(1)
+  seq = pl.program_id(1)
+  # Last query tiles first: under a causal mask they see the most keys, so
+  # the longest programs start first and the grid ends without a tail.
+  q_blk = pl.num_programs(0) - 1 - pl.program_id(0)
   q_off = cu_q_ref[seq]
   len_q = cu_q_ref[seq + 1] - q_off
   k_off = cu_k_ref[seq]

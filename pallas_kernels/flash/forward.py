@@ -52,7 +52,10 @@ def _forward_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, *refs,
     sinks_ref = refs.pop(0)
   o_ref, lse_ref = refs
 
-  q_blk, seq, head = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  seq, head = pl.program_id(1), pl.program_id(2)
+  # Last query tiles first: under a causal mask they see the most keys, so
+  # the longest programs start first and the grid ends without a tail.
+  q_blk = pl.num_programs(0) - 1 - pl.program_id(0)
   q_off = cu_q_ref[seq]
   len_q = cu_q_ref[seq + 1] - q_off
   k_off = cu_k_ref[seq]

@@ -1,0 +1,456 @@
+"""Bitwise-deterministic backward of the disentangled-attention kernel.
+
+With S_ij = (q_i.k_j + C[i, slot_ij] + P[j, slot_ij]) / c (C = Q Kpos^T,
+P = K Qpos^T, slot_ij = slot(i - j)) and G_ij = dL/d(c S_ij) = P_ij (dP_ij -
+D_i) / c, the gradients are
+
+  dq_i = sum_j G_ij k_j + sum_r dC[i, r] Kpos[r],   dC[i, r] = sum_{j: slot_ij = r} G_ij
+  dk_j = sum_i G_ij q_i + sum_r dP[j, r] Qpos[r],   dP[j, r] = sum_{i: slot_ij = r} G_ij
+  dv_j = sum_i P~_ij dO_i                     (P~: P with the dropout mask)
+  dKpos[r] = sum_i dC[i, r] q_i,  dQpos[r] = sum_j dP[j, r] k_j.
+
+dC and dP are scatter-adds over buckets. They are made deterministic by the
+band layout of `_geometry`: each pair (i, j) has a band column w(i - j), and
+the non-saturated columns hold exactly one pair per row. So
+
+* `_dq_kernel` (owns a query tile, walks key tiles in a fixed order) stores
+  G_ij to BandC[i, w(i - j)] (plain stores, no two pairs share an address)
+  and sums the saturated pairs (w = 0 or width - 1; most pairs at long
+  lengths) per row in registers, storing them once at the end;
+* `_dkdv_kernel` (owns a key tile) does the same for BandP[j, w(i - j)];
+* `_band_kernel` contracts each token's band row with the band-expanded
+  position table, Kpos[slot[w]] (and Qpos[slot[w]]), in fixed column chunks:
+  dq_i += sum_w BandC[i, w] Kpos[slot[w]];
+* XLA finishes dKpos = onehot(slot)^T (BandC^T Q) and dQpos likewise (plain
+  matmuls, no scatter).
+
+No atomics anywhere; every sum has a fixed order, and the per-token sums
+(dq, dk, dv) depend only on the token's own sequence (tiles start at each
+sequence's start; the band layout depends only on the position config).
+The band scratch is [total + 0, heads, width] (width = r_neg + r_pos + 1,
+1019 for DeBERTa-v3's 256 buckets / 512 positions) in bfloat16 for bf16
+inputs and float32 otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.deberta import _common as cm
+from pallas_kernels.deberta import _dropout
+from pallas_kernels.deberta.config import (DebertaBlocks, KernelConfig,
+                                           head_dim_pad)
+from pallas_kernels.flash._tiles import LOG2E, mask_and
+from pallas_kernels.flash.forward import dot_precision
+
+_HIGHEST = lax.Precision.HIGHEST
+
+
+def band_dtype(dtype):
+  """Storage dtype of the band scratch (dC and dP per band column)."""
+  return jnp.bfloat16 if jnp.dtype(dtype) == jnp.bfloat16 else jnp.float32
+
+
+def _unpack(cfg, refs, outs: int):
+  refs = list(refs)
+  r = {}
+  r["mask"] = refs.pop(0) if cfg.has_mask else None
+  r["seed"] = refs.pop(0) if cfg.has_dropout else None
+  r["q"], r["k"], r["v"] = refs.pop(0), refs.pop(0), refs.pop(0)
+  r["c"] = refs.pop(0) if cfg.c2p else None
+  r["p"] = refs.pop(0) if cfg.p2c else None
+  r["do"], r["lse"], r["delta"] = refs.pop(0), refs.pop(0), refs.pop(0)
+  return r, refs
+
+
+def _dq_kernel(cu_ref, slot_ref, *refs, cfg: KernelConfig, block_q: int,
+               block_k: int):
+  """dq (float32, without the c2p band part) and the c2p band rows."""
+  r, rest = _unpack(cfg, refs, 0)
+  if cfg.c2p:
+    _, dq_ref, band_ref = rest  # rest[0]: the band's aliased input
+  else:
+    (dq_ref,) = rest
+  q_ref, k_ref, v_ref = r["q"], r["k"], r["v"]
+  q_blk, seq, head = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  off = cu_ref[seq]
+  n = cu_ref[seq + 1] - off
+  q0 = q_blk * block_q
+  total, d_pad = q_ref.shape
+  dtype = q_ref.dtype
+  precision = dot_precision(dtype)
+  scale_log2 = cfg.scale * LOG2E
+  g = cfg.geometry
+
+  @pl.when(q0 < n)
+  def _():
+    head_mask = cm.head_dim_mask(cfg.head_dim, d_pad)
+    q_pos = q0 + jnp.arange(block_q, dtype=jnp.int32)
+    q_valid = q_pos < n
+    q_rows = jnp.minimum(off + q_pos, total - 1)
+    rows = pl.ds(off + q0, block_q)
+    row_mask = mask_and(q_valid[:, None], head_mask)
+    q = plgpu.load(q_ref.at[rows, :], mask=row_mask, other=0.0)
+    do = plgpu.load(r["do"].at[rows, :], mask=row_mask, other=0.0)
+    lse2 = plgpu.load(r["lse"].at[rows], mask=q_valid, other=jnp.inf)
+    delta = plgpu.load(r["delta"].at[rows], mask=q_valid, other=0.0)
+    mq = None
+    if cfg.has_mask:
+      mq = plgpu.load(r["mask"].at[rows], mask=q_valid, other=0) != 0
+    c_vec = {}
+    if cfg.c2p:
+      for kind in ("hi", "lo"):
+        c_vec[kind] = cm.table_column_vec(cfg, kind, r["c"], off + q0,
+                                          block_q, q_valid)
+    row_h = None
+    if cfg.has_dropout:
+      row_h = _dropout.row_hash(
+          _dropout.program_key(r["seed"][0], seq, head), q_pos)
+    n_kt = cm.cdiv(n, block_k)
+    n_full = jnp.int32(0) if cfg.has_mask else lax.div(n, block_k)
+
+    def step(k_blk, carry, kind, masked):
+      dq, sat_lo, sat_hi = carry
+      k0 = k_blk * block_k
+      k_pos = k0 + jnp.arange(block_k, dtype=jnp.int32)
+      k_valid = k_pos < n
+      kv_mask = mask_and(k_valid[:, None] if masked else None, head_mask)
+      k = plgpu.load(k_ref.at[pl.ds(off + k0, block_k), :], mask=kv_mask,
+                     other=0.0)
+      v = plgpu.load(v_ref.at[pl.ds(off + k0, block_k), :], mask=kv_mask,
+                     other=0.0)
+      s = plgpu.dot(q, k, trans_b=True, precision=precision)
+      bias, w = cm.position_bias(
+          cfg, kind, slot_ref=slot_ref, c_ref=r["c"], p_ref=r["p"],
+          q_pos=q_pos, k_pos=k_pos, q_rows=q_rows,
+          k_rows=jnp.minimum(off + k_pos, total - 1), c_sat=c_vec.get(kind),
+          p_sat=cm.table_column_vec(cfg, kind, r["p"], off + k0, block_k,
+                                    k_valid if masked else None),
+          k_major=False)
+      if bias is not None:
+        s = s + bias
+      p = jnp.exp2(s * scale_log2 - lse2[:, None])
+      if masked:
+        vis = k_valid[None, :]
+        if cfg.has_mask:
+          mk = plgpu.load(r["mask"].at[pl.ds(off + k0, block_k)],
+                          mask=k_valid, other=0) != 0
+          vis = vis & mk[None, :] & mq[:, None]
+        p = jnp.where(vis, p, 0.0)
+      dp = plgpu.dot(do, v, trans_b=True, precision=precision)
+      if cfg.has_dropout:
+        keep = _dropout.keep(row_h[:, None], k_pos[None, :],
+                             _dropout.threshold(cfg.dropout_rate))
+        dp = jnp.where(keep, dp * cfg.keep_scale, 0.0)
+      ds = p * (dp - delta[:, None]) * cfg.scale
+      dq = dq + plgpu.dot(ds.astype(dtype), k, precision=precision)
+      if cfg.c2p:
+        if kind == "hi":
+          sat_hi = sat_hi + jnp.sum(ds, axis=1)
+        elif kind == "lo":
+          sat_lo = sat_lo + jnp.sum(ds, axis=1)
+        else:
+          at_lo = w == 0
+          at_hi = w == g.width - 1
+          sat_lo = sat_lo + jnp.sum(jnp.where(at_lo, ds, 0.0), axis=1)
+          sat_hi = sat_hi + jnp.sum(jnp.where(at_hi, ds, 0.0), axis=1)
+          st_rows = jnp.broadcast_to(q_rows[:, None], w.shape)
+          plgpu.store(band_ref.at[st_rows, w], ds.astype(band_ref.dtype),
+                      mask=~(at_lo | at_hi) & q_valid[:, None])
+      return dq, sat_lo, sat_hi
+
+    zeros = jnp.zeros((block_q,), jnp.float32)
+    carry = (jnp.zeros((block_q, d_pad), jnp.float32), zeros, zeros)
+    ranges = cm.q_major_ranges(cfg, q0, block_q, block_k, n_kt)
+    dq, sat_lo, sat_hi = cm.run_ranges(ranges, n_full, step, carry)
+    plgpu.store(dq_ref.at[rows, :], dq, mask=row_mask)
+    if cfg.c2p:
+      plgpu.store(band_ref.at[rows, jnp.int32(0)],
+                  sat_lo.astype(band_ref.dtype), mask=q_valid)
+      plgpu.store(band_ref.at[rows, jnp.int32(g.width - 1)],
+                  sat_hi.astype(band_ref.dtype), mask=q_valid)
+
+
+def _dkdv_kernel(cu_ref, slot_ref, *refs, cfg: KernelConfig, block_q: int,
+                 block_k: int):
+  """dk (float32, without the p2c band part), dv and the p2c band rows."""
+  r, rest = _unpack(cfg, refs, 0)
+  if cfg.p2c:
+    _, dk_ref, dv_ref, band_ref = rest
+  else:
+    dk_ref, dv_ref = rest
+  q_ref, k_ref, v_ref = r["q"], r["k"], r["v"]
+  k_blk, seq, head = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  off = cu_ref[seq]
+  n = cu_ref[seq + 1] - off
+  k0 = k_blk * block_k
+  total, d_pad = q_ref.shape
+  dtype = q_ref.dtype
+  precision = dot_precision(dtype)
+  scale_log2 = cfg.scale * LOG2E
+  g = cfg.geometry
+
+  @pl.when(k0 < n)
+  def _():
+    head_mask = cm.head_dim_mask(cfg.head_dim, d_pad)
+    k_pos = k0 + jnp.arange(block_k, dtype=jnp.int32)
+    k_valid = k_pos < n
+    k_rows = jnp.minimum(off + k_pos, total - 1)
+    krows = pl.ds(off + k0, block_k)
+    kv_mask = mask_and(k_valid[:, None], head_mask)
+    k = plgpu.load(k_ref.at[krows, :], mask=kv_mask, other=0.0)
+    v = plgpu.load(v_ref.at[krows, :], mask=kv_mask, other=0.0)
+    mk = None
+    if cfg.has_mask:
+      mk = plgpu.load(r["mask"].at[krows], mask=k_valid, other=0) != 0
+    p_vec = {}
+    if cfg.p2c:
+      for kind in ("hi", "lo"):
+        p_vec[kind] = cm.table_column_vec(cfg, kind, r["p"], off + k0,
+                                          block_k, k_valid)
+    key = None
+    if cfg.has_dropout:
+      key = _dropout.program_key(r["seed"][0], seq, head)
+    n_qt = cm.cdiv(n, block_q)
+    n_full = jnp.int32(0) if cfg.has_mask else lax.div(n, block_q)
+
+    def step(q_blk, carry, kind, masked):
+      dk, dv, sat_lo, sat_hi = carry
+      q0 = q_blk * block_q
+      q_pos = q0 + jnp.arange(block_q, dtype=jnp.int32)
+      q_valid = q_pos < n
+      rows = pl.ds(off + q0, block_q)
+      row_valid = q_valid if masked else None
+      row_mask = mask_and(None if row_valid is None else row_valid[:, None],
+                          head_mask)
+      q = plgpu.load(q_ref.at[rows, :], mask=row_mask, other=0.0)
+      do = plgpu.load(r["do"].at[rows, :], mask=row_mask, other=0.0)
+      lse2 = plgpu.load(r["lse"].at[rows], mask=row_valid, other=jnp.inf)
+      delta = plgpu.load(r["delta"].at[rows], mask=row_valid, other=0.0)
+      s_t = plgpu.dot(k, q, trans_b=True, precision=precision)
+      bias, w = cm.position_bias(
+          cfg, kind, slot_ref=slot_ref, c_ref=r["c"], p_ref=r["p"],
+          q_pos=q_pos, k_pos=k_pos,
+          q_rows=jnp.minimum(off + q_pos, total - 1), k_rows=k_rows,
+          c_sat=cm.table_column_vec(cfg, kind, r["c"], off + q0, block_q,
+                                    row_valid),
+          p_sat=p_vec.get(kind), k_major=True)
+      if bias is not None:
+        s_t = s_t + bias
+      p_t = jnp.exp2(s_t * scale_log2 - lse2[None, :])
+      if masked:
+        vis = q_valid[None, :] & k_valid[:, None]
+        if cfg.has_mask:
+          mq = plgpu.load(r["mask"].at[rows], mask=q_valid, other=0) != 0
+          vis = vis & mq[None, :] & mk[:, None]
+        p_t = jnp.where(vis, p_t, 0.0)
+      dp_t = plgpu.dot(v, do, trans_b=True, precision=precision)
+      pv_t = p_t
+      if cfg.has_dropout:
+        keep_t = _dropout.keep(_dropout.row_hash(key, q_pos)[None, :],
+                               k_pos[:, None],
+                               _dropout.threshold(cfg.dropout_rate))
+        pv_t = jnp.where(keep_t, p_t * cfg.keep_scale, 0.0)
+        dp_t = jnp.where(keep_t, dp_t * cfg.keep_scale, 0.0)
+      dv = dv + plgpu.dot(pv_t.astype(dtype), do, precision=precision)
+      ds_t = p_t * (dp_t - delta[None, :]) * cfg.scale
+      dk = dk + plgpu.dot(ds_t.astype(dtype), q, precision=precision)
+      if cfg.p2c:
+        if kind == "hi":
+          sat_hi = sat_hi + jnp.sum(ds_t, axis=1)
+        elif kind == "lo":
+          sat_lo = sat_lo + jnp.sum(ds_t, axis=1)
+        else:
+          at_lo = w == 0
+          at_hi = w == g.width - 1
+          sat_lo = sat_lo + jnp.sum(jnp.where(at_lo, ds_t, 0.0), axis=1)
+          sat_hi = sat_hi + jnp.sum(jnp.where(at_hi, ds_t, 0.0), axis=1)
+          st_rows = jnp.broadcast_to(k_rows[:, None], w.shape)
+          plgpu.store(band_ref.at[st_rows, w], ds_t.astype(band_ref.dtype),
+                      mask=~(at_lo | at_hi) & k_valid[:, None])
+      return dk, dv, sat_lo, sat_hi
+
+    zeros = jnp.zeros((block_k,), jnp.float32)
+    zd = jnp.zeros((block_k, d_pad), jnp.float32)
+    ranges = cm.k_major_ranges(cfg, k0, block_q, block_k, n_qt)
+    dk, dv, sat_lo, sat_hi = cm.run_ranges(ranges, n_full, step,
+                                           (zd, zd, zeros, zeros))
+    plgpu.store(dk_ref.at[krows, :], dk, mask=kv_mask)
+    plgpu.store(dv_ref.at[krows, :], dv.astype(dv_ref.dtype), mask=kv_mask)
+    if cfg.p2c:
+      plgpu.store(band_ref.at[krows, jnp.int32(0)],
+                  sat_lo.astype(band_ref.dtype), mask=k_valid)
+      plgpu.store(band_ref.at[krows, jnp.int32(g.width - 1)],
+                  sat_hi.astype(band_ref.dtype), mask=k_valid)
+
+
+def _band_kernel(band_ref, tab_ref, out_ref, *, block_rows: int,
+                 block_cols: int, head_dim: int, precision):
+  """out[t] = sum_w band[t, w] * tab[w] in fixed column chunks."""
+  blk = pl.program_id(0)
+  total, width = band_ref.shape
+  d_pad = tab_ref.shape[-1]
+  head_mask = cm.head_dim_mask(head_dim, d_pad)
+  r0 = blk * block_rows
+  rows = pl.ds(r0, block_rows)
+  r_valid = (r0 + jnp.arange(block_rows)) < total
+
+  def step(c, acc):
+    c0 = c * block_cols
+    c_valid = (c0 + jnp.arange(block_cols)) < width
+    x = plgpu.load(band_ref.at[rows, pl.ds(c0, block_cols)],
+                   mask=r_valid[:, None] & c_valid[None, :], other=0.0)
+    t = plgpu.load(tab_ref.at[pl.ds(c0, block_cols), :],
+                   mask=mask_and(c_valid[:, None], head_mask), other=0.0)
+    return acc + plgpu.dot(x, t, precision=precision)
+
+  acc = lax.fori_loop(0, pl.cdiv(width, block_cols), step,
+                      jnp.zeros((block_rows, d_pad), jnp.float32))
+  plgpu.store(out_ref.at[rows, :], acc,
+              mask=mask_and(r_valid[:, None], head_mask))
+
+
+def band_product(band, table, *, blocks, head_dim: int, precision,
+                 interpret: bool):
+  """float32 [total, heads, d]: band [total, heads, width] x table
+  [width, heads, d] per head, each row summed in fixed column order."""
+  total, heads, width = band.shape
+  d_pad = head_dim_pad(head_dim)
+  b = blocks.band
+  return pl.pallas_call(
+      functools.partial(_band_kernel, block_rows=b.block_q,
+                        block_cols=b.block_k, head_dim=head_dim,
+                        precision=precision),
+      grid=(pl.cdiv(total, b.block_q), heads),
+      in_specs=[pl.BlockSpec((total, None, width), lambda i, h: (0, h, 0)),
+                pl.BlockSpec((width, None, d_pad), lambda i, h: (0, h, 0))],
+      out_specs=pl.BlockSpec((total, None, d_pad), lambda i, h: (0, h, 0)),
+      out_shape=jax.ShapeDtypeStruct((total, heads, head_dim), jnp.float32),
+      compiler_params=plgpu.CompilerParams(num_warps=b.num_warps,
+                                           num_stages=b.num_stages),
+      interpret=interpret,
+      name="fold_deberta_band_product",
+  )(band, table)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "blocks", "max_seqlen",
+                                             "interpret"))
+def disentangled_backward(q, k, v, pos_key, pos_query, c2p_table, p2c_table,
+                          out, lse2, do, cu_seqlens, token_mask=None,
+                          seed=None, *, cfg: KernelConfig,
+                          blocks: DebertaBlocks, max_seqlen: int,
+                          interpret: bool = False):
+  """Gradients of `disentangled_forward`.
+
+  Args:
+    q, k, v, out, do: [total, heads, head_dim]; pos_key, pos_query:
+      [2*span, heads, head_dim] (or None when unused); c2p_table, p2c_table:
+      the forward's tables; lse2: float32 [heads, total] from the forward.
+  Returns:
+    dq, dk, dv (inputs' dtype; zero on tokens outside every sequence),
+    dpos_key, dpos_query (float32 [2*span, heads, head_dim], or None).
+  """
+  total, heads, head_dim = q.shape
+  num_seqs = cu_seqlens.shape[0] - 1
+  d_pad = head_dim_pad(head_dim)
+  g = cfg.geometry
+  slot_np = g.slot_table()
+  slot = jnp.asarray(slot_np)
+  seq_of = jnp.searchsorted(cu_seqlens, jnp.arange(total, dtype=jnp.int32),
+                            side="right") - 1
+  in_seq = jnp.arange(total) < cu_seqlens[-1]
+  delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1).T
+  delta = jnp.where(in_seq[None, :], delta, 0.0)
+  lse2 = jnp.where(in_seq[None, :], lse2, jnp.inf)
+  del seq_of
+
+  full = cm.full_spec
+  tok = pl.BlockSpec((total, None, d_pad), lambda i, s, h: (0, h, 0))
+  row = pl.BlockSpec((None, total), lambda i, s, h: (h, 0))
+  tab = pl.BlockSpec((total, None, g.slots), lambda i, s, h: (0, h, 0))
+  bnd = pl.BlockSpec((total, None, g.width), lambda i, s, h: (0, h, 0))
+  in_specs = [full(cu_seqlens.shape), full(slot.shape)]
+  args = [cu_seqlens, slot]
+  if cfg.has_mask:
+    in_specs.append(full(token_mask.shape))
+    args.append(token_mask)
+  if cfg.has_dropout:
+    in_specs.append(full((1,)))
+    args.append(jnp.reshape(seed, (1,)).astype(jnp.uint32))
+  in_specs += [tok, tok, tok]
+  args += [q, k, v]
+  if cfg.c2p:
+    in_specs.append(tab)
+    args.append(c2p_table)
+  if cfg.p2c:
+    in_specs.append(tab)
+    args.append(p2c_table)
+  in_specs += [tok, row, row]
+  args += [do, lse2, delta]
+  bdt = band_dtype(q.dtype)
+
+  def call(kernel, blk, n_tiles_len, extra_out, band_needed, name):
+    specs, a = list(in_specs), list(args)
+    out_specs, out_shape, aliases = [], [], {}
+    if band_needed:
+      specs.append(bnd)
+      a.append(jnp.zeros((total, heads, g.width), bdt))
+      aliases = {len(a) - 1: len(extra_out)}
+    for shp, dt in extra_out:
+      out_specs.append(tok)
+      out_shape.append(jax.ShapeDtypeStruct(shp, dt))
+    if band_needed:
+      out_specs.append(bnd)
+      out_shape.append(jax.ShapeDtypeStruct((total, heads, g.width), bdt))
+    return pl.pallas_call(
+        functools.partial(kernel, cfg=cfg, block_q=blk.block_q,
+                          block_k=blk.block_k),
+        grid=(pl.cdiv(max_seqlen, n_tiles_len(blk)), num_seqs, heads),
+        in_specs=specs, out_specs=out_specs, out_shape=out_shape,
+        input_output_aliases=aliases,
+        compiler_params=plgpu.CompilerParams(num_warps=blk.num_warps,
+                                             num_stages=blk.num_stages),
+        interpret=interpret, name=name)(*a)
+
+  f32 = jnp.float32
+  outs = call(_dkdv_kernel, blocks.bwd_kv, lambda b: b.block_k,
+              [(k.shape, f32), (v.shape, v.dtype)], cfg.p2c,
+              "fold_deberta_backward_dkdv")
+  dk, dv = outs[0], outs[1]
+  band_p = outs[2] if cfg.p2c else None
+  outs = call(_dq_kernel, blocks.bwd_q, lambda b: b.block_q,
+              [(q.shape, f32)], cfg.c2p, "fold_deberta_backward_dq")
+  dq = outs[0]
+  band_c = outs[1] if cfg.c2p else None
+
+  precise = jnp.dtype(q.dtype) == jnp.float32
+  band_precision = _HIGHEST if precise else None
+  onehot = jnp.asarray(slot_np[:, None] == np.arange(g.slots)[None, :],
+                       f32)  # [width, 2*span]
+  dpos_key = dpos_query = None
+  if cfg.c2p:
+    kband = pos_key[slot].astype(bdt)  # [width, heads, d]
+    dq = dq + band_product(band_c, kband, blocks=blocks, head_dim=head_dim,
+                           precision=band_precision, interpret=interpret)
+    x = jnp.einsum("thw,thd->whd", band_c, q.astype(bdt),
+                   preferred_element_type=f32, precision=_HIGHEST)
+    dpos_key = jnp.einsum("wr,whd->rhd", onehot, x, precision=_HIGHEST)
+  if cfg.p2c:
+    qband = pos_query[slot].astype(bdt)
+    dk = dk + band_product(band_p, qband, blocks=blocks, head_dim=head_dim,
+                           precision=band_precision, interpret=interpret)
+    x = jnp.einsum("thw,thd->whd", band_p, k.astype(bdt),
+                   preferred_element_type=f32, precision=_HIGHEST)
+    dpos_query = jnp.einsum("wr,whd->rhd", onehot, x, precision=_HIGHEST)
+  keep = in_seq[:, None, None]
+  dq = jnp.where(keep, dq, 0.0).astype(q.dtype)
+  dk = jnp.where(keep, dk, 0.0).astype(k.dtype)
+  dv = jnp.where(keep, dv, 0).astype(v.dtype)
+  return dq, dk, dv, dpos_key, dpos_query

@@ -1,0 +1,111 @@
+"""Static options and block sizes of the disentangled-attention kernels.
+
+Block sizes, like the dense kernel's, depend only on the GPU generation, head
+dim, dtype and kernel, never on batch size or sequence length: a sequence's
+bits do not depend on what else is in the batch. FOLDAX_DEBERTA_BLOCKS may
+name a JSON file {"<kernel>/<head_dim>/<itemsize>": {"block_q": .., ...}}
+overriding entries (kernel: fwd, bwd_kv, bwd_q, band) for tuning on a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.deberta._geometry import Geometry
+from pallas_kernels.flash.config import BlockSizes
+
+KERNELS = ("fwd", "bwd_kv", "bwd_q", "band")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+  """Options baked into a kernel (hashed into its compile cache key)."""
+
+  geometry: Geometry
+  c2p: bool
+  p2c: bool
+  has_mask: bool  # factorised token padding mask
+  dropout_rate: float  # 0.0: off
+  head_dim: int
+
+  @property
+  def n_terms(self) -> int:
+    return 1 + int(self.c2p) + int(self.p2c)
+
+  @property
+  def scale(self) -> float:
+    """1 / sqrt(head_dim * n_terms), HF's float32 divisor inverted."""
+    c = np.sqrt(np.float32(self.head_dim) * np.float32(self.n_terms),
+                dtype=np.float32)
+    return float(1.0 / float(c))
+
+  @property
+  def has_pos(self) -> bool:
+    return self.c2p or self.p2c
+
+  @property
+  def has_dropout(self) -> bool:
+    return self.dropout_rate > 0.0
+
+  @property
+  def keep_scale(self) -> float:
+    return 1.0 / (1.0 - self.dropout_rate)
+
+
+@dataclasses.dataclass(frozen=True)
+class DebertaBlocks:
+  fwd: BlockSizes
+  bwd_kv: BlockSizes  # dK, dV and the p2c band (owns key tiles)
+  bwd_q: BlockSizes  # dQ and the c2p band (owns query tiles)
+  band: BlockSizes  # block_q: token rows; block_k: band columns per step
+
+
+# Hopper (sm_90) starting points; the lead's H200 sweep refines them.
+_H100 = {
+    ("fwd", 2): BlockSizes(128, 64, 4, 2),
+    ("fwd", 4): BlockSizes(64, 32, 4, 1),
+    ("bwd_kv", 2): BlockSizes(64, 64, 4, 1),
+    ("bwd_kv", 4): BlockSizes(32, 32, 4, 1),
+    ("bwd_q", 2): BlockSizes(64, 64, 4, 1),
+    ("bwd_q", 4): BlockSizes(32, 32, 4, 1),
+    ("band", 2): BlockSizes(64, 64, 4, 2),
+    ("band", 4): BlockSizes(64, 32, 4, 2),
+}
+INTERPRET_BLOCKS = DebertaBlocks(*(BlockSizes(16, 16, 4, 1),) * 4)
+
+
+def _override() -> dict:
+  path = os.environ.get("FOLDAX_DEBERTA_BLOCKS")
+  if not path:
+    return {}
+  with open(path) as f:
+    return {k: BlockSizes(**v) for k, v in json.load(f).items()}
+
+
+def blocks_for(*, head_dim: int, dtype, interpret: bool,
+               compute_capability=None) -> DebertaBlocks:
+  if interpret:
+    return INTERPRET_BLOCKS
+  itemsize = min(4, jnp.dtype(dtype).itemsize)
+  over = _override()
+  picks = []
+  for kern in KERNELS:
+    b = _H100[(kern, itemsize)]
+    if head_dim > 64 and kern != "band":  # registers: halve the key side
+      b = BlockSizes(b.block_q, max(16, b.block_k // 2), max(b.num_warps, 8)
+                     if itemsize == 2 else b.num_warps, b.num_stages)
+    if compute_capability is not None and compute_capability[0] < 9:
+      b = BlockSizes(min(b.block_q, 64), min(b.block_k, 64), b.num_warps, 1)
+    b = over.get(f"{kern}/{head_dim}/{itemsize}", b)
+    picks.append(b)
+  return DebertaBlocks(*picks)
+
+
+def head_dim_pad(head_dim: int) -> int:
+  return max(16, 1 << math.ceil(math.log2(head_dim)))

@@ -1,0 +1,196 @@
+"""DeBERTa disentangled-attention forward kernel (packed token layout).
+
+Layouts (as `pallas_kernels.flash.forward`):
+  q, k, v: [total, heads, head_dim]; cu_seqlens: int32 [num_seqs + 1]
+  c2p table: [total, heads, 2*span]  = Q . Kpos^T  (row: query token)
+  p2c table: [total, heads, 2*span]  = K . Qpos^T  (row: key token)
+  slot_table: int32 [width] (see `_geometry`)
+  token_mask (optional): int32 [total], pair (i, j) visible iff both != 0
+  seed (optional): uint32 [1]
+Outputs: out [total, heads, head_dim] (rows outside every sequence
+unwritten), lse2 float32 [heads, total] (base 2; +inf for rows that see no
+key).
+
+Score of (i, j), in base 2:
+  (q_i . k_j + c2p[i, slot(i - j)] + p2c[j, slot(i - j)]) * log2(e) / c
+with c = sqrt(head_dim * n_terms). The two tables are [*, L, 2*span] GEMMs
+done by XLA; the kernel gathers from them per tile with pointer tensors
+(`plgpu.load(ref.at[rows_2d, cols_2d])`, an int-array NDIndexer that Pallas'
+Triton lowering turns into one `tt.load` of a pointer tensor).
+
+Grid: (query tiles of the longest sequence, num_seqs, heads). A program owns
+one query tile of one head and walks its sequence's key tiles in increasing
+order, in three contiguous ranges: tiles whose pairs all have
+i - j >= r_pos (saturated: every position term is one column, loaded once
+per row or per key tile as a vector, no gather), the band tiles (gathers),
+and tiles with i - j <= -r_neg (saturated at column 0). Only the partial last
+key tile (or every tile when a token mask is given) applies masks.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.deberta import _common as cm
+from pallas_kernels.deberta import _dropout
+from pallas_kernels.deberta.config import KernelConfig, head_dim_pad
+from pallas_kernels.flash._tiles import LOG2E, mask_and
+from pallas_kernels.flash.config import BlockSizes
+from pallas_kernels.flash.forward import dot_precision
+
+
+def _forward_kernel(cu_ref, slot_ref, *refs, cfg: KernelConfig, block_q: int,
+                    block_k: int):
+  refs = list(refs)
+  mask_ref = refs.pop(0) if cfg.has_mask else None
+  seed_ref = refs.pop(0) if cfg.has_dropout else None
+  q_ref, k_ref, v_ref = refs.pop(0), refs.pop(0), refs.pop(0)
+  c_ref = refs.pop(0) if cfg.c2p else None
+  p_ref = refs.pop(0) if cfg.p2c else None
+  o_ref, lse_ref = refs
+
+  q_blk, seq, head = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  off = cu_ref[seq]
+  n = cu_ref[seq + 1] - off
+  q0 = q_blk * block_q
+  total, d_pad = q_ref.shape
+  precision = dot_precision(q_ref.dtype)
+  scale_log2 = cfg.scale * LOG2E
+  g = cfg.geometry
+
+  @pl.when(q0 < n)
+  def _():
+    head_mask = cm.head_dim_mask(cfg.head_dim, d_pad)
+    q_pos = q0 + jnp.arange(block_q, dtype=jnp.int32)
+    q_valid = q_pos < n
+    q_rows = jnp.minimum(off + q_pos, total - 1)
+    q = plgpu.load(q_ref.at[pl.ds(off + q0, block_q), :],
+                   mask=mask_and(q_valid[:, None], head_mask), other=0.0)
+    mq = None
+    if cfg.has_mask:
+      mq = plgpu.load(mask_ref.at[pl.ds(off + q0, block_q)], mask=q_valid,
+                      other=0) != 0
+    c_vec = {}
+    if cfg.c2p:
+      for kind, col in (("hi", g.slots - 1), ("lo", 0)):
+        c_vec[kind] = plgpu.load(
+            c_ref.at[pl.ds(off + q0, block_q), jnp.int32(col)], mask=q_valid,
+            other=0.0).astype(jnp.float32)
+    row_h = None
+    if cfg.has_dropout:
+      key = _dropout.program_key(seed_ref[0], seq, head)
+      row_h = _dropout.row_hash(key, q_pos)
+
+    n_kt = cm.cdiv(n, block_k)
+    n_full = jnp.int32(0) if cfg.has_mask else lax.div(n, block_k)
+
+    def step(k_blk, carry, kind, masked):
+      acc, m_prev, l_prev = carry
+      k0 = k_blk * block_k
+      k_pos = k0 + jnp.arange(block_k, dtype=jnp.int32)
+      k_valid = k_pos < n
+      kv_mask = mask_and(k_valid[:, None] if masked else None, head_mask)
+      k = plgpu.load(k_ref.at[pl.ds(off + k0, block_k), :], mask=kv_mask,
+                     other=0.0)
+      s = plgpu.dot(q, k, trans_b=True, precision=precision)
+      bias, _ = cm.position_bias(
+          cfg, kind, slot_ref=slot_ref, c_ref=c_ref, p_ref=p_ref,
+          q_pos=q_pos, k_pos=k_pos, q_rows=q_rows,
+          k_rows=jnp.minimum(off + k_pos, total - 1), c_sat=c_vec.get(kind),
+          p_sat=cm.table_column_vec(cfg, kind, p_ref, off + k0, block_k,
+                                    k_valid if masked else None),
+          k_major=False)
+      if bias is not None:
+        s = s + bias
+      s = s * scale_log2
+      if masked:
+        vis = k_valid[None, :]
+        if cfg.has_mask:
+          mk = plgpu.load(mask_ref.at[pl.ds(off + k0, block_k)],
+                          mask=k_valid, other=0) != 0
+          vis = vis & mk[None, :] & mq[:, None]
+        s = jnp.where(vis, s, -jnp.inf)
+      m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+      if masked:
+        m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
+      else:
+        m_safe = m_next
+      alpha = jnp.exp2(m_prev - m_safe)
+      p = jnp.exp2(s - m_safe[:, None])
+      l_next = l_prev * alpha + jnp.sum(p, axis=1)
+      if cfg.has_dropout:
+        keep = _dropout.keep(row_h[:, None], k_pos[None, :],
+                             _dropout.threshold(cfg.dropout_rate))
+        p = jnp.where(keep, p * cfg.keep_scale, 0.0)
+      v = plgpu.load(v_ref.at[pl.ds(off + k0, block_k), :], mask=kv_mask,
+                     other=0.0)
+      acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v,
+                                             precision=precision)
+      return acc, m_next, l_next
+
+    carry = (jnp.zeros((block_q, d_pad), jnp.float32),
+             jnp.full((block_q,), -jnp.inf, jnp.float32),
+             jnp.zeros((block_q,), jnp.float32))
+    ranges = cm.q_major_ranges(cfg, q0, block_q, block_k, n_kt)
+    acc, m, l = cm.run_ranges(ranges, n_full, step, carry)
+    seen = l > 0.0
+    l_safe = jnp.where(seen, l, 1.0)
+    out = acc / l_safe[:, None]
+    lse2 = jnp.where(seen, m + jnp.log2(l_safe), jnp.inf)
+    plgpu.store(o_ref.at[pl.ds(off + q0, block_q), :], out.astype(o_ref.dtype),
+                mask=mask_and(q_valid[:, None], head_mask))
+    plgpu.store(lse_ref.at[pl.ds(off + q0, block_q)], lse2, mask=q_valid)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "blocks", "max_seqlen",
+                                             "interpret"))
+def disentangled_forward(q, k, v, c2p_table, p2c_table, cu_seqlens,
+                         token_mask=None, seed=None, *, cfg: KernelConfig,
+                         blocks: BlockSizes, max_seqlen: int,
+                         interpret: bool = False):
+  """Returns (out [total, heads, head_dim], lse2 float32 [heads, total])."""
+  total, heads, head_dim = q.shape
+  num_seqs = cu_seqlens.shape[0] - 1
+  d_pad = head_dim_pad(head_dim)
+  bq, bk = blocks.block_q, blocks.block_k
+  slot = jnp.asarray(cfg.geometry.slot_table())
+  full = cm.full_spec
+  tok = pl.BlockSpec((total, None, d_pad), lambda i, s, h: (0, h, 0))
+  tab = pl.BlockSpec((total, None, cfg.geometry.slots),
+                     lambda i, s, h: (0, h, 0))
+  in_specs = [full(cu_seqlens.shape), full(slot.shape)]
+  args = [cu_seqlens, slot]
+  if cfg.has_mask:
+    in_specs.append(full(token_mask.shape))
+    args.append(token_mask)
+  if cfg.has_dropout:
+    in_specs.append(full((1,)))
+    args.append(jnp.reshape(seed, (1,)).astype(jnp.uint32))
+  in_specs += [tok, tok, tok]
+  args += [q, k, v]
+  if cfg.c2p:
+    in_specs.append(tab)
+    args.append(c2p_table)
+  if cfg.p2c:
+    in_specs.append(tab)
+    args.append(p2c_table)
+  kernel = functools.partial(_forward_kernel, cfg=cfg, block_q=bq, block_k=bk)
+  out, lse2 = pl.pallas_call(
+      kernel,
+      grid=(pl.cdiv(max_seqlen, bq), num_seqs, heads),
+      in_specs=in_specs,
+      out_specs=[tok, pl.BlockSpec((None, total), lambda i, s, h: (h, 0))],
+      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
+                 jax.ShapeDtypeStruct((heads, total), jnp.float32)],
+      compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps,
+                                           num_stages=blocks.num_stages),
+      interpret=interpret,
+      name="fold_deberta_forward",
+  )(*args)
+  return out, lse2

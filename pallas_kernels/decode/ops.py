@@ -1,0 +1,177 @@
+"""Array-level entry points of the decode kernel: query/output layouts,
+page summaries, and a contiguous-cache adapter.
+
+`paged_decode` takes FlashAttention-style queries [batch, q_len, heads_q,
+head_dim] and returns the same layout; `contiguous_decode` views a contiguous
+cache [batch, seq, heads_kv, head_dim] as a page pool with an identity block
+table, which runs the very same program on the very same values (so paged and
+contiguous layouts give identical bits).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.decode.config import DecodeBlocks, decode_blocks_for, \
+    default_num_splits
+from pallas_kernels.decode.kernel import DecodeSpec, _pow2, fold_decode
+
+# Residual plane read for pages whose bound reaches R - V8_DEPTH.
+DEFAULT_V8_DEPTH = 12
+
+
+def head_dim_pad(head_dim: int) -> int:
+  return _pow2(head_dim)
+
+
+def arrange_queries(q, heads_kv: int, d_pad: int):
+  """[batch, q_len, heads_q, d] -> [batch, heads_kv, rows_pad, d_pad]."""
+  b, q_len, hq, d = q.shape
+  g = hq // heads_kv
+  rows = g * q_len
+  x = q.reshape(b, q_len, heads_kv, g, d).transpose(0, 2, 1, 3, 4)
+  x = x.reshape(b, heads_kv, rows, d)
+  return jnp.pad(x, ((0, 0), (0, 0), (0, _pow2(rows) - rows), (0, d_pad - d)))
+
+
+def unarrange_output(out, q_len: int, heads_q: int, head_dim: int):
+  """[batch, heads_kv, >=rows, d_pad] -> [batch, q_len, heads_q, head_dim]."""
+  b, hkv = out.shape[:2]
+  g = heads_q // hkv
+  x = out[:, :, :g * q_len, :head_dim].reshape(b, hkv, q_len, g, head_dim)
+  return x.transpose(0, 2, 1, 3, 4).reshape(b, q_len, heads_q, head_dim)
+
+
+def _tree_sum(x, axis: int):
+  """Sum over `axis` (a power-of-two length) by pairwise elementwise adds:
+  the same bits for any other dimension of x (no reduction heuristics)."""
+  x = jnp.moveaxis(x, axis, 0)
+  while x.shape[0] > 1:
+    n = x.shape[0]
+    if n % 2:
+      x = jnp.concatenate([x, jnp.zeros_like(x[:1])], axis=0)
+      n += 1
+    x = x[: n // 2] + x[n // 2:]
+  return x[0]
+
+
+def page_summaries(k_pages, counts):
+  """(kmax, kmin, ksum, ksumsq) [num_pages, heads_kv, d] of a page pool.
+
+  counts: int32 [num_pages], valid tokens at the start of each page (the
+  rest is ignored). kmax/kmin keep the key dtype (exact), sums are float32.
+  Empty pages get kmax = kmin = 0.
+  """
+  s = k_pages.shape[1]
+  valid = (jnp.arange(s)[None, :] < counts[:, None])[:, :, None, None]
+  kf = k_pages.astype(jnp.float32)
+  lo = jnp.finfo(jnp.float32).min
+  kmax = jnp.max(jnp.where(valid, kf, lo), axis=1)
+  kmin = jnp.min(jnp.where(valid, kf, -lo), axis=1)
+  nonempty = (counts > 0)[:, None, None]
+  kmax = jnp.where(nonempty, kmax, 0.0).astype(k_pages.dtype)
+  kmin = jnp.where(nonempty, kmin, 0.0).astype(k_pages.dtype)
+  z = jnp.where(valid, kf, 0.0)
+  return kmax, kmin, _tree_sum(z, 1), _tree_sum(z * z, 1)
+
+
+def make_spec(*, heads_q: int, heads_kv: int, q_len: int, head_dim: int,
+              page_size: int, chunk_tokens: int, dtype, batch: int,
+              max_pages: int, softmax_scale=None, softcap: float = 0.0,
+              window_left: int = -1, depth=None, v8: bool = False,
+              v8_depth: int = DEFAULT_V8_DEPTH, has_sinks: bool = False,
+              num_splits=None, interpret: bool = False,
+              compute_capability=None,
+              blocks: DecodeBlocks | None = None) -> DecodeSpec:
+  d_pad = head_dim_pad(head_dim)
+  if blocks is None:
+    blocks = decode_blocks_for(compute_capability=compute_capability,
+                               head_dim_pad=d_pad, dtype=dtype,
+                               page_size=page_size, interpret=interpret)
+  n_chunks = -(-max_pages * page_size // chunk_tokens)
+  if num_splits is None:
+    num_splits = default_num_splits(batch, heads_kv, n_chunks, interpret)
+  scale = (1.0 / head_dim ** 0.5) if softmax_scale is None else float(
+      softmax_scale)
+  return DecodeSpec(
+      group=heads_q // heads_kv, q_len=q_len, d_pad=d_pad,
+      page_size=page_size, chunk_tokens=chunk_tokens, block_k=blocks.block_k,
+      num_warps=blocks.num_warps, num_stages=blocks.num_stages,
+      n_splits=int(num_splits), scale=scale, softcap=float(softcap),
+      left=int(window_left), depth=None if depth is None else int(depth),
+      v8=bool(v8), v8_depth=int(v8_depth), has_sinks=has_sinks,
+      interpret=interpret)
+
+
+def paged_decode(q, k_pages, v_pages, block_table, lengths, *, page_size=None,
+                 chunk_tokens: int, softmax_scale=None, sinks=None,
+                 window_left: int = -1, softcap: float = 0.0, depth=None,
+                 v_res=None, v_scale=None, summaries=None,
+                 v8_depth: int = DEFAULT_V8_DEPTH, num_splits=None,
+                 interpret: bool = False, compute_capability=None,
+                 blocks: DecodeBlocks | None = None, fallback: bool = True,
+                 return_reference: bool = False):
+  """Decode attention; q [batch, q_len, heads_q, head_dim] (or [batch,
+  heads_q, head_dim]) -> the same shape, in q's dtype.
+
+  k_pages, v_pages: [num_pages, page_size, heads_kv, d_pad] with d_pad =
+  head_dim rounded up to a power of two >= 16 (zero padded). v8 when v_res
+  is given (v_pages is then the coarse plane).
+  """
+  squeeze = q.ndim == 3
+  if squeeze:
+    q = q[:, None]
+  b, q_len, hq, d = q.shape
+  hkv = k_pages.shape[2]
+  page_size = k_pages.shape[1] if page_size is None else page_size
+  v8 = v_res is not None
+  spec = make_spec(heads_q=hq, heads_kv=hkv, q_len=q_len, head_dim=d,
+                   page_size=page_size, chunk_tokens=chunk_tokens,
+                   dtype=q.dtype, batch=b, max_pages=block_table.shape[1],
+                   softmax_scale=softmax_scale, softcap=softcap,
+                   window_left=window_left, depth=depth, v8=v8,
+                   v8_depth=v8_depth, has_sinks=sinks is not None,
+                   num_splits=num_splits, interpret=interpret,
+                   compute_capability=compute_capability, blocks=blocks)
+  if spec.summaries and summaries is None:
+    raise ValueError("depth / v8 decoding needs the page summaries.")
+  qa = arrange_queries(q, hkv, spec.d_pad)
+  out, ref = fold_decode(
+      qa, k_pages, v_pages, jnp.asarray(block_table, jnp.int32),
+      jnp.asarray(lengths, jnp.int32), spec=spec, v_res=v_res,
+      v_scale=v_scale, summaries=summaries if spec.summaries else None,
+      sinks=sinks, fallback=fallback)
+  out = unarrange_output(out, q_len, hq, d)
+  if squeeze:
+    out = out[:, 0]
+  return (out, ref) if return_reference else out
+
+
+def contiguous_as_pages(k, page_size: int):
+  """[batch, seq, heads_kv, d] -> (pool [batch*seq/page, page, heads_kv,
+  d_pad], identity block table [batch, seq/page]). A free reshape when
+  seq % page_size == 0 and d is a power of two >= 16."""
+  b, t, hkv, d = k.shape
+  d_pad = head_dim_pad(d)
+  pad_t = -t % page_size
+  if pad_t or d_pad != d:
+    k = jnp.pad(k, ((0, 0), (0, pad_t), (0, 0), (0, d_pad - d)))
+  n = (t + pad_t) // page_size
+  pool = k.reshape(b * n, page_size, hkv, d_pad)
+  table = jnp.arange(b * n, dtype=jnp.int32).reshape(b, n)
+  return pool, table
+
+
+def contiguous_decode(q, k, v, lengths, *, page_size: int, chunk_tokens: int,
+                      **kw):
+  """`paged_decode` over a contiguous cache k, v [batch, seq, heads_kv, d]."""
+  kp, table = contiguous_as_pages(k, page_size)
+  vp, _ = contiguous_as_pages(v, page_size)
+  if kw.get("depth") is not None:
+    n = table.shape[1]
+    pos = jnp.arange(n, dtype=jnp.int32)[None, :] * page_size
+    counts = jnp.clip(jnp.asarray(lengths)[:, None] - pos, 0, page_size)
+    kw["summaries"] = page_summaries(kp, counts.reshape(-1))
+  return paged_decode(q, kp, vp, table, lengths, page_size=page_size,
+                      chunk_tokens=chunk_tokens, **kw)
