@@ -403,9 +403,17 @@ def main(argv: Sequence[str] | None = None) -> int:
   notes: list[str] = []
   for entry in entries:
     try:
-      fn = getattr(importlib.import_module(entry.module), entry.name)
-    except (ImportError, AttributeError):
-      notes.append(f"{entry.name}: not in {entry.module} yet; skipped.")
+      module = importlib.import_module(entry.module)
+      fn = getattr(module, entry.name)
+    except (ImportError, AttributeError) as e:
+      if isinstance(e, AttributeError) and module.__file__ is None:
+        # A package without __init__.py on the path: typically an editable
+        # install made before the package had one, run outside the checkout.
+        notes.append(f"{entry.name}: {entry.module} resolved to a namespace "
+                     f"package ({list(module.__path__)}); reinstall with "
+                     "`pip install -e .` or run from the repository root.")
+      else:
+        notes.append(f"{entry.name}: not in {entry.module} yet; skipped.")
       continue
     if entry.cases is None:
       notes.append(f"{entry.name}: present, but has no selfcheck cases yet "
