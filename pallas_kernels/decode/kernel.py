@@ -142,6 +142,11 @@ def _scores(spec: DecodeSpec, qk):
   return _capped(spec, qk * (spec.scale * LOG2E))
 
 
+def _any(x):
+  """Triton has no reduce_or: max over int32."""
+  return jnp.max(x.astype(jnp.int32)) > 0
+
+
 def _dot_precision(dtype):
   return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
@@ -288,14 +293,14 @@ def _split_kernel(len_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
       if spec.depth is not None:
         keep = u >= ref - spec.depth
         use = vis & keep[:, None]
-        load_k = load_v = jnp.any(keep & rows.ok)
+        load_k = load_v = _any(keep & rows.ok)
       else:
         keep = None
       if spec.v8:
         fine = u >= ref - spec.v8_depth
         if keep is not None:
           fine &= keep
-        load_r = jnp.any(fine & rows.ok)
+        load_r = _any(fine & rows.ok)
     kmask = kin[:, None] if load_k is None else kin[:, None] & load_k
     k = plgpu.load(k_ref.at[page, pl.ds(off, bk), h, :], mask=kmask,
                    other=0.0)
@@ -323,7 +328,7 @@ def _split_kernel(len_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
       acc = acc + plgpu.dot(p.astype(v.dtype), v, precision=precision)
     return acc, l, m
 
-  def chunk(c, _):
+  def chunk(c, carry):
     t_lo = jnp.maximum(c * cs, lo) // bk
     t_hi = lax.div(jnp.minimum((c + 1) * cs, hi) + bk - 1, bk)
     init = (jnp.zeros((spec.rows_pad, spec.d_pad), jnp.float32),
@@ -335,9 +340,9 @@ def _split_kernel(len_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
                 mask=rmask[:, None])
     plgpu.store(l_ref.at[b, h, c, pl.ds(0, spec.rows_pad)], l, mask=rmask)
     plgpu.store(m_ref.at[b, h, c, pl.ds(0, spec.rows_pad)], m, mask=rmask)
-    return 0
+    return carry
 
-  lax.fori_loop(c0, jnp.maximum(c1, c0), chunk, 0)
+  lax.fori_loop(c0, jnp.maximum(c1, c0), chunk, jnp.int32(0))
 
 
 # ----------------------------------------------------------------------------
