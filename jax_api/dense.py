@@ -209,5 +209,8 @@ def fold_attn_varlen_func(q: jax.Array, k: jax.Array, v: jax.Array,
     # Rows outside every sequence are never written by the kernel.
     in_seq = token_sequence_ids(cu_q, q.shape[0]) < cu_q.shape[0] - 1
     out = jnp.where(in_seq[:, None, None], out, 0).astype(q.dtype)
-    lse = jnp.where(in_seq[None, :], lse, -jnp.inf)
+    # Such rows see no key: lse is log(0) = -inf, or the sink's logit.
+    empty_lse = (-jnp.inf if sinks is None else
+                 sinks.astype(jnp.float32)[:, None])
+    lse = jnp.where(in_seq[None, :], lse, empty_lse)
   return (out, lse) if return_lse else out

@@ -30,6 +30,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+# Imported eagerly: interpret mode imports it lazily on first use, which
+# changes a jit cache key and recompiles the first call a second time.
+import jax.experimental.pallas.fuser  # noqa: F401
 
 from pallas_kernels.flash import _tiles
 from pallas_kernels.flash._tiles import LOG2E, MaskConfig
