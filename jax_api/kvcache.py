@@ -1,0 +1,641 @@
+"""`FoldKVCache`: one layer's paged KV cache, and `fold_attn_with_kvcache`.
+
+    cache = FoldKVCache.create(batch, n_heads, n_kv_heads, head_dim, max_len)
+    out, cache = cache.prefill(q, k, v, cu_seqlens)     # causal varlen prompt
+    out, cache = fold_attn_with_kvcache(q_step, cache, k_step, v_step)
+    cache = cache.free(seq_ids)                         # pages back to the pool
+
+The cache is a pytree (jit it, donate it: `jax.jit(step, donate_argnums=...)`).
+Methods never mutate; they return what changed.
+
+Storage
+-------
+  k_pages, v_pages: [num_pages, page_size, n_kv_heads, d_pad] page pool
+    (d_pad: head_dim rounded up to a power of two >= 16, zero padded).
+  block_table: int32 [batch, max_pages]; page p of slot b is pool page
+    block_table[b, p] for p < ceil(lengths[b] / page_size) (other entries are
+    stale and never read).
+  free_pages, n_free: a stack; free_pages[:n_free] are the free pool pages.
+    Allocation pops from the top, `free` pushes, so freed pages are reused
+    first and no page is ever held by two live slots.
+  v8=True: v_pages is the coarse E4M3 plane, v_res the residual plane and
+    v_scale the per-cache power-of-two scale (fixed by the first write).
+  depth / v8: per-page key summaries (kmax, kmin, ksum, ksumsq) drive the
+    cut and the residual-plane rule (see `pallas_kernels.decode.kernel`).
+
+Errors and `jax.jit`
+--------------------
+Appending past `max_len` or past the pool, prefilling a slot that is not
+empty, or naming a slot that does not exist is checked before any write:
+outside `jax.jit` (concrete lengths) it raises ValueError and the cache you
+hold is untouched. Under `jax.jit` nothing can raise, so the operation becomes
+a no-op on every slot (no page, length or table entry changes) and the sticky
+error word `cache.error` gets the matching bit (ERR_* below); call
+`cache.check()` outside jit (or read `cache.error`) to surface it.
+
+Numerics
+--------
+Decoding is exact attention (`depth=None, v8=False`) through a kernel whose
+partials add against a declared reference, so the result does not depend on
+the split count, the batch, or where pages live (see the kernel docs). The
+bits do depend on `page_size` and `chunk_tokens` (where partial sums are cut)
+and on the shipped tile table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_api import _validation as val
+from jax_api._backend import _gpu_capability, resolve_backend
+from jax_api._xla_decode import xla_decode
+from jax_api.dense import fold_attn_varlen_func
+from pallas_kernels.decode import (DEFAULT_V8_DEPTH, MAX_DRAFT, encode_v8,
+                                   head_dim_pad, page_summaries, paged_decode,
+                                   v8_scale_for)
+from pallas_kernels.decode.kernel import V8_RES_SHIFT
+
+ERR_MAX_LEN = 1    # a sequence would grow past max_len
+ERR_POOL = 2       # the page pool is exhausted
+ERR_NOT_EMPTY = 4  # prefill into a slot that already holds tokens
+ERR_BAD_SLOT = 8   # a slot id outside [0, batch) or named twice
+_ERR_NAMES = {ERR_MAX_LEN: "append past max_len", ERR_POOL: "page pool "
+              "exhausted", ERR_NOT_EMPTY: "prefill into a non-empty slot",
+              ERR_BAD_SLOT: "invalid or repeated slot id"}
+
+
+def _concrete(*xs) -> bool:
+  return not any(isinstance(x, jax.core.Tracer) for x in xs)
+
+
+def _cdiv(a, b):
+  return -(-a // b)
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+  """Static (hashable) description of a cache; the pytree's aux data."""
+
+  batch: int
+  n_heads: int
+  n_kv_heads: int
+  head_dim: int
+  max_len: int
+  page_size: int
+  num_pages: int
+  dtype: str
+  depth: int | None
+  v8: bool
+  chunk_tokens: int
+  v8_depth: int
+
+  @property
+  def d_pad(self) -> int:
+    return head_dim_pad(self.head_dim)
+
+  @property
+  def max_pages(self) -> int:
+    return _cdiv(self.max_len, self.page_size)
+
+  @property
+  def summaries(self) -> bool:
+    return self.depth is not None or self.v8
+
+
+def _check_int(name, x, lo=1):
+  if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+    raise TypeError(f"{name} must be a Python int; got {x!r}.")
+  if x < lo:
+    raise ValueError(f"{name} must be >= {lo}; got {x}.")
+  return int(x)
+
+
+@jax.tree_util.register_pytree_node_class
+class FoldKVCache:
+  """One layer's paged KV cache (a pytree; see the module docstring)."""
+
+  _FIELDS = ("k_pages", "v_pages", "v_res", "v_scale", "summaries",
+             "block_table", "lengths_", "free_pages", "n_free", "error")
+
+  def __init__(self, *, config: CacheConfig, k_pages, v_pages, v_res,
+               v_scale, summaries, block_table, lengths_, free_pages, n_free,
+               error):
+    self.config = config
+    self.k_pages = k_pages
+    self.v_pages = v_pages
+    self.v_res = v_res
+    self.v_scale = v_scale
+    self.summaries = summaries
+    self.block_table = block_table
+    self.lengths_ = lengths_
+    self.free_pages = free_pages
+    self.n_free = n_free
+    self.error = error
+
+  # -- pytree ----------------------------------------------------------------
+  def tree_flatten(self):
+    return tuple(getattr(self, f) for f in self._FIELDS), self.config
+
+  @classmethod
+  def tree_unflatten(cls, config, children):
+    return cls(config=config, **dict(zip(cls._FIELDS, children)))
+
+  def _replace(self, **kw):
+    d = {f: getattr(self, f) for f in self._FIELDS}
+    d.update(kw)
+    return FoldKVCache(config=self.config, **d)
+
+  def __repr__(self):
+    c = self.config
+    return (f"FoldKVCache(batch={c.batch}, n_heads={c.n_heads}, n_kv_heads="
+            f"{c.n_kv_heads}, head_dim={c.head_dim}, max_len={c.max_len}, "
+            f"page_size={c.page_size}, num_pages={c.num_pages}, dtype="
+            f"{c.dtype}, depth={c.depth}, v8={c.v8})")
+
+  # -- construction ------------------------------------------------------------
+  @classmethod
+  def create(cls, batch: int, n_heads: int, n_kv_heads: int, head_dim: int,
+             max_len: int, *, page_size: int = 256, dtype=jnp.bfloat16,
+             depth: int | None = None, v8: bool = False,
+             num_pages: int | None = None, chunk_tokens: int | None = None,
+             v8_depth: int = DEFAULT_V8_DEPTH) -> "FoldKVCache":
+    """An empty cache of `batch` slots.
+
+    Args:
+      batch: sequence slots. n_heads, n_kv_heads: query and KV heads
+        (n_heads % n_kv_heads == 0). head_dim: 1..256. max_len: most tokens
+        per slot.
+      page_size: tokens per page (a power of two >= 16).
+      dtype: key/value dtype (bf16, fp16 or fp32); queries must match it.
+      depth: None (exact) or an int > 0: cut pages whose weight bound is
+        below 2^-depth of the row's declared reference, keeping an estimate
+        of their mass.
+      v8: store values as two E4M3 planes (coarse + residual).
+      num_pages: pool size (default batch * ceil(max_len / page_size), enough
+        for every slot at max_len; smaller pools share memory and can run
+        out, see the module docstring).
+      chunk_tokens: keys per partial sum (a multiple of page_size; default
+        the multiple of page_size nearest 1024 from above). Part of the
+        numerics: results are bitwise reproducible for a fixed value.
+      v8_depth: with v8, pages whose bound is below 2^-v8_depth of the
+        reference are decoded from the coarse plane only.
+    """
+    batch = _check_int("batch", batch)
+    n_heads = _check_int("n_heads", n_heads)
+    n_kv_heads = _check_int("n_kv_heads", n_kv_heads)
+    head_dim = _check_int("head_dim", head_dim)
+    max_len = _check_int("max_len", max_len)
+    page_size = _check_int("page_size", page_size)
+    if n_heads % n_kv_heads:
+      raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads"
+                       f" ({n_kv_heads}).")
+    if head_dim > val.MAX_HEAD_DIM:
+      raise ValueError(f"head_dim is {head_dim}; supported head dims are "
+                       f"1..{val.MAX_HEAD_DIM}.")
+    if page_size < 16 or page_size & (page_size - 1):
+      raise ValueError(f"page_size must be a power of two >= 16; got "
+                       f"{page_size}.")
+    dt = jnp.dtype(dtype)
+    if dt not in val.SUPPORTED_DTYPES:
+      raise TypeError(f"dtype {dt} is not supported; use one of "
+                      f"{', '.join(map(str, val.SUPPORTED_DTYPES))}.")
+    if depth is not None:
+      depth = _check_int("depth", depth)
+    if not isinstance(v8, (bool, np.bool_)):
+      raise TypeError(f"v8 must be a bool; got {v8!r}.")
+    max_pages = _cdiv(max_len, page_size)
+    if num_pages is None:
+      num_pages = batch * max_pages
+    num_pages = _check_int("num_pages", num_pages)
+    if chunk_tokens is None:
+      chunk_tokens = page_size * max(1, _cdiv(1024, page_size))
+    chunk_tokens = _check_int("chunk_tokens", chunk_tokens)
+    if chunk_tokens % page_size:
+      raise ValueError(f"chunk_tokens ({chunk_tokens}) must be a multiple of "
+                       f"page_size ({page_size}).")
+    v8_depth = _check_int("v8_depth", v8_depth, lo=0)
+    cfg = CacheConfig(batch, n_heads, n_kv_heads, head_dim, max_len,
+                      page_size, num_pages, dt.name, depth, bool(v8),
+                      chunk_tokens, v8_depth)
+    shape = (num_pages, page_size, n_kv_heads, cfg.d_pad)
+    e4m3 = jnp.float8_e4m3fn
+    summ = None
+    if cfg.summaries:
+      sshape = (num_pages, n_kv_heads, cfg.d_pad)
+      summ = (jnp.zeros(sshape, dt), jnp.zeros(sshape, dt),
+              jnp.zeros(sshape, jnp.float32), jnp.zeros(sshape, jnp.float32))
+    return cls(
+        config=cfg,
+        k_pages=jnp.zeros(shape, dt),
+        v_pages=jnp.zeros(shape, e4m3 if v8 else dt),
+        v_res=jnp.zeros(shape, e4m3) if v8 else None,
+        v_scale=jnp.zeros((), jnp.float32) if v8 else None,
+        summaries=summ,
+        block_table=jnp.zeros((batch, max_pages), jnp.int32),
+        lengths_=jnp.zeros((batch,), jnp.int32),
+        # Popping from the top hands out pages 0, 1, 2, ... first.
+        free_pages=jnp.arange(num_pages - 1, -1, -1, dtype=jnp.int32),
+        n_free=jnp.asarray(num_pages, jnp.int32),
+        error=jnp.zeros((), jnp.int32))
+
+  # -- queries -------------------------------------------------------------------
+  @property
+  def lengths(self) -> jax.Array:
+    """int32 [batch]: tokens held by each slot."""
+    return self.lengths_
+
+  @property
+  def dtype(self):
+    return jnp.dtype(self.config.dtype)
+
+  def check(self) -> "FoldKVCache":
+    """Raises ValueError if an operation under jit hit an error (see
+    `error`); returns the cache otherwise."""
+    if not _concrete(self.error):
+      return self
+    err = int(self.error)
+    if err:
+      what = [n for bit, n in _ERR_NAMES.items() if err & bit]
+      raise ValueError(f"FoldKVCache.error = {err}: an operation under "
+                       f"jax.jit was refused ({'; '.join(what)}); those "
+                       "operations left the cache unchanged.")
+    return self
+
+  # -- writing ---------------------------------------------------------------------
+  def _pad_kv(self, x):
+    d = self.config.head_dim
+    pad = [(0, 0)] * (x.ndim - 1) + [(0, self.config.d_pad - d)]
+    return jnp.pad(x, pad)
+
+  def _encode_values(self, v, valid, scale):
+    """(v_pages-plane values, v_res values, new scale) for the pool."""
+    if not self.config.v8:
+      return v.astype(self.dtype), None, scale
+    vf = jnp.asarray(v, jnp.float32)
+    mx = jnp.max(jnp.where(valid, jnp.abs(vf), 0.0))
+    scale = jnp.where(scale > 0, scale, v8_scale_for(mx))
+    c, r = encode_v8(vf, scale)
+    return c, r, scale
+
+  def append(self, k, v, *, active=None) -> "FoldKVCache":
+    """Appends tokens: k, v [batch, n_kv_heads, head_dim] (one token per
+    slot) or [batch, n, n_kv_heads, head_dim] (n tokens per slot).
+
+    active: optional bool [batch]; slots with False are left alone (default:
+    every slot gets the tokens). Raises (eagerly) or flags (under jit) when
+    a slot would pass max_len or the pool runs out; nothing is written then.
+    """
+    cfg = self.config
+    k, v, active = self._check_append(k, v, active)
+    n = k.shape[1]
+    lens = self.lengths_
+    grow = jnp.where(active, n, 0).astype(jnp.int32)
+    new_len = lens + grow
+    need = jnp.sum(_cdiv(new_len, cfg.page_size) - _cdiv(lens, cfg.page_size))
+    over_len = jnp.any(new_len > cfg.max_len)
+    over_pool = need > self.n_free
+    if _concrete(lens, self.n_free, active):
+      if bool(over_len):
+        raise ValueError(
+            f"append would grow slot(s) "
+            f"{np.flatnonzero(np.asarray(new_len) > cfg.max_len).tolist()} "
+            f"past max_len = {cfg.max_len}; the cache is unchanged.")
+      if bool(over_pool):
+        raise ValueError(f"append needs {int(need)} new page(s) but only "
+                         f"{int(self.n_free)} of {cfg.num_pages} are free; "
+                         "the cache is unchanged.")
+    ok = ~(over_len | over_pool)
+    err = (jnp.where(over_len, ERR_MAX_LEN, 0) |
+           jnp.where(over_pool, ERR_POOL, 0)).astype(jnp.int32)
+    cache = self._replace(error=self.error | err)
+    act = active & ok
+    for i in range(n):
+      cache = cache._append_one(k[:, i], v[:, i], act)
+    return cache
+
+  def _check_append(self, k, v, active):
+    cfg = self.config
+    for name, x in (("k", k), ("v", v)):
+      val.check_array(name, x, ndim=(3, 4),
+                      layout="[batch, (n,) n_kv_heads, head_dim]")
+      val.check_float_dtype(name, x)
+    if k.shape != v.shape:
+      raise ValueError(f"k and v must have the same shape; got k "
+                       f"{tuple(k.shape)} and v {tuple(v.shape)}.")
+    if k.ndim == 3:
+      k, v = k[:, None], v[:, None]
+    want = (cfg.batch, cfg.n_kv_heads, cfg.head_dim)
+    if (k.shape[0], k.shape[2], k.shape[3]) != want:
+      raise ValueError(f"k must have shape [batch, (n,) n_kv_heads, head_dim]"
+                       f" = [{want[0]}, (n,) {want[1]}, {want[2]}]; got "
+                       f"{tuple(k.shape)}.")
+    if active is None:
+      active = jnp.ones((cfg.batch,), bool)
+    else:
+      val.check_array("active", active, ndim=1, layout="[batch]")
+      if active.shape[0] != cfg.batch:
+        raise ValueError(f"active must have shape [batch] = [{cfg.batch}]; "
+                         f"got {tuple(active.shape)}.")
+      active = jnp.asarray(active).astype(bool)
+    return k, v, active
+
+  def _append_one(self, k, v, act):
+    """One token per active slot (capacity already checked)."""
+    cfg = self.config
+    s, p = cfg.page_size, cfg.num_pages
+    pos = self.lengths_
+    need = act & (pos % s == 0)
+    rank = jnp.cumsum(need.astype(jnp.int32)) - need.astype(jnp.int32)
+    fresh = self.free_pages[jnp.clip(self.n_free - 1 - rank, 0, p - 1)]
+    lp = jnp.clip(pos // s, 0, cfg.max_pages - 1)
+    rows = jnp.arange(cfg.batch)
+    bt = self.block_table.at[rows, lp].set(
+        jnp.where(need, fresh, self.block_table[rows, lp]))
+    page = bt[rows, lp]
+    page_w = jnp.where(act, page, p)  # out of range: dropped
+    off = pos % s
+    kp = self._pad_kv(k).astype(self.dtype)
+    vp = self._pad_kv(v)
+    scale = self.v_scale
+    vc, vr, scale = self._encode_values(vp, act[:, None, None], scale)
+    upd = dict(
+        k_pages=self.k_pages.at[page_w, off].set(kp, mode="drop"),
+        v_pages=self.v_pages.at[page_w, off].set(vc, mode="drop"),
+        block_table=bt,
+        lengths_=pos + act.astype(jnp.int32),
+        n_free=self.n_free - jnp.sum(need.astype(jnp.int32)))
+    if cfg.v8:
+      upd["v_res"] = self.v_res.at[page_w, off].set(vr, mode="drop")
+      upd["v_scale"] = scale
+    if cfg.summaries:
+      kmax, kmin, ksum, ksq = self.summaries
+      pg = jnp.clip(page, 0, p - 1)
+      kf = kp.astype(jnp.float32)
+      first = need[:, None, None]
+      nmax = jnp.where(first, kp, jnp.maximum(kmax[pg], kp))
+      nmin = jnp.where(first, kp, jnp.minimum(kmin[pg], kp))
+      nsum = jnp.where(first, kf, ksum[pg] + kf)
+      nsq = jnp.where(first, kf * kf, ksq[pg] + kf * kf)
+      upd["summaries"] = tuple(
+          x.at[page_w].set(y, mode="drop")
+          for x, y in zip(self.summaries, (nmax, nmin, nsum, nsq)))
+    return self._replace(**upd)
+
+  def prefill(self, q, k, v, cu_seqlens, *, seq_ids=None, max_seqlen=None,
+              softmax_scale=None, sinks=None, window_size=(-1, -1),
+              softcap: float = 0.0, backend: str = "auto"):
+    """Causal attention over packed prompts, then writes their K/V.
+
+    Args:
+      q: [total, n_heads, head_dim]; k, v: [total, n_kv_heads, head_dim]
+        (packed, FlashAttention's varlen layout).
+      cu_seqlens: int32 [num_seqs + 1].
+      seq_ids: int [num_seqs], the (empty) slot of each prompt; default
+        0 .. num_seqs - 1.
+      max_seqlen: longest prompt (a Python int; needed under jit for speed).
+      Attention options as `fold_attn_varlen_func` (causal is implied).
+
+    Returns:
+      (out [total, n_heads, head_dim], new cache). Raises (eagerly) or flags
+      (under jit, writing nothing) when a slot is not empty, a prompt is
+      longer than max_len, the pool is too small or a slot id is invalid.
+    """
+    cfg = self.config
+    val.check_qkv(q, k, v, packed=True)
+    if (q.shape[1], q.shape[2]) != (cfg.n_heads, cfg.head_dim) or \
+        k.shape[1] != cfg.n_kv_heads:
+      raise ValueError(
+          f"prefill expects q [total, {cfg.n_heads}, {cfg.head_dim}] and k, v "
+          f"[total, {cfg.n_kv_heads}, {cfg.head_dim}]; got q "
+          f"{tuple(q.shape)}, k {tuple(k.shape)}.")
+    val.check_cu_seqlens("cu_seqlens", cu_seqlens, k.shape[0])
+    cu = jnp.asarray(cu_seqlens, jnp.int32)
+    n_seq = cu.shape[0] - 1
+    if seq_ids is None:
+      if n_seq > cfg.batch:
+        raise ValueError(f"cu_seqlens describes {n_seq} prompts but the cache "
+                         f"has {cfg.batch} slots.")
+      seq_ids = jnp.arange(n_seq, dtype=jnp.int32)
+    else:
+      val.check_array("seq_ids", seq_ids, ndim=1, layout="[num_seqs]")
+      if seq_ids.shape[0] != n_seq:
+        raise ValueError(f"seq_ids must have shape [num_seqs] = [{n_seq}]; "
+                         f"got {tuple(seq_ids.shape)}.")
+      seq_ids = jnp.asarray(seq_ids, jnp.int32)
+    mq = val.concrete_max_seqlen("max_seqlen", cu_seqlens, max_seqlen)
+    out = fold_attn_varlen_func(q, k, v, cu, max_seqlen_q=mq, causal=True,
+                                softmax_scale=softmax_scale, sinks=sinks,
+                                window_size=window_size, softcap=softcap,
+                                backend=backend)
+    return out, self._write_prompts(k, v, cu, seq_ids, mq)
+
+  def _slot_ok(self, ids):
+    """(valid [n]: in range and first occurrence, all_valid)."""
+    n = ids.shape[0]
+    in_range = (ids >= 0) & (ids < self.config.batch)
+    earlier = (ids[:, None] == ids[None, :]) & (
+        jnp.arange(n)[None, :] < jnp.arange(n)[:, None])
+    first = ~jnp.any(earlier, axis=1)
+    valid = in_range & first
+    return valid, jnp.all(valid)
+
+  def _write_prompts(self, k, v, cu, seq_ids, max_seqlen):
+    cfg = self.config
+    s, p = cfg.page_size, cfg.num_pages
+    seq_len = cu[1:] - cu[:-1]
+    n_pg = _cdiv(seq_len, s)
+    total = jnp.sum(n_pg)
+    valid_id, ids_ok = self._slot_ok(seq_ids)
+    ids_c = jnp.clip(seq_ids, 0, cfg.batch - 1)
+    not_empty = jnp.any(valid_id & (self.lengths_[ids_c] > 0))
+    too_long = jnp.any(seq_len > cfg.max_len)
+    over_pool = total > self.n_free
+    if _concrete(cu, seq_ids, self.lengths_, self.n_free):
+      if not bool(ids_ok):
+        raise ValueError(f"seq_ids must be distinct slots in [0, {cfg.batch})"
+                         f"; got {np.asarray(seq_ids).tolist()}.")
+      if bool(not_empty):
+        busy = [int(i) for i in np.asarray(seq_ids)
+                if int(self.lengths_[int(i)]) > 0]
+        raise ValueError(f"prefill needs empty slots; slot(s) {busy} hold "
+                         "tokens (free them first). The cache is unchanged.")
+      if bool(too_long):
+        raise ValueError(f"a prompt of {int(jnp.max(seq_len))} tokens exceeds "
+                         f"max_len = {cfg.max_len}; the cache is unchanged.")
+      if bool(over_pool):
+        raise ValueError(f"the prompts need {int(total)} page(s) but only "
+                         f"{int(self.n_free)} of {cfg.num_pages} are free; "
+                         "the cache is unchanged.")
+    ok = ids_ok & ~not_empty & ~too_long & ~over_pool
+    err = (jnp.where(ids_ok, 0, ERR_BAD_SLOT) |
+           jnp.where(not_empty, ERR_NOT_EMPTY, 0) |
+           jnp.where(too_long, ERR_MAX_LEN, 0) |
+           jnp.where(over_pool, ERR_POOL, 0)).astype(jnp.int32)
+
+    mp = cfg.max_pages if max_seqlen is None else min(
+        cfg.max_pages, _cdiv(int(max_seqlen), s))
+    n_seq = seq_len.shape[0]
+    start = jnp.cumsum(n_pg) - n_pg  # pages popped before prompt i
+    pidx = jnp.arange(mp, dtype=jnp.int32)[None, :]
+    has = (pidx < n_pg[:, None]) & ok
+    pages = self.free_pages[jnp.clip(self.n_free - 1 - (start[:, None] + pidx),
+                                     0, p - 1)]
+    pages_w = jnp.where(has, pages, p).reshape(-1)  # [n_seq * mp]
+    # Tokens laid out page by page: [n_seq, mp, s].
+    o = jnp.arange(s, dtype=jnp.int32)[None, None, :]
+    rel = pidx[..., None] * s + o
+    tok_ok = rel < seq_len[:, None, None]
+    tok = jnp.clip(cu[:-1, None, None] + rel, 0, k.shape[0] - 1)
+    tmask = tok_ok[..., None, None]
+    kd = jnp.where(tmask, self._pad_kv(k)[tok], 0).astype(self.dtype)
+    vd = jnp.where(tmask, self._pad_kv(v)[tok], 0)
+    vc, vr, scale = self._encode_values(vd, tmask & has[..., None, None, None],
+                                        self.v_scale)
+    shp = (n_seq * mp, s, cfg.n_kv_heads, cfg.d_pad)
+    upd = dict(
+        k_pages=self.k_pages.at[pages_w].set(kd.reshape(shp), mode="drop"),
+        v_pages=self.v_pages.at[pages_w].set(vc.reshape(shp), mode="drop"))
+    if cfg.v8:
+      upd["v_res"] = self.v_res.at[pages_w].set(vr.reshape(shp), mode="drop")
+      upd["v_scale"] = jnp.where(ok, scale, self.v_scale)
+    if cfg.summaries:
+      counts = jnp.clip(seq_len[:, None] - pidx * s, 0, s).reshape(-1)
+      new = page_summaries(kd.reshape(shp), counts)
+      upd["summaries"] = tuple(x.at[pages_w].set(y, mode="drop")
+                               for x, y in zip(self.summaries, new))
+    row_w = jnp.where(valid_id & ok, ids_c, cfg.batch)  # dropped if not ok
+    bt_rows = jnp.where(pidx < n_pg[:, None], pages,
+                        self.block_table[ids_c, :mp])
+    upd["block_table"] = self.block_table.at[row_w, :mp].set(bt_rows,
+                                                             mode="drop")
+    upd["lengths_"] = self.lengths_.at[row_w].set(seq_len, mode="drop")
+    upd["n_free"] = self.n_free - jnp.where(ok, total, 0)
+    upd["error"] = self.error | err
+    return self._replace(**upd)
+
+  def free(self, seq_ids) -> "FoldKVCache":
+    """Returns the pages of slots `seq_ids` (int [n]) to the pool and empties
+    the slots. Raises (eagerly) or flags (under jit, freeing nothing) on a
+    slot outside [0, batch) or named twice."""
+    cfg = self.config
+    ids = jnp.atleast_1d(jnp.asarray(seq_ids))
+    if ids.ndim != 1 or not jnp.issubdtype(ids.dtype, jnp.integer):
+      raise TypeError(f"seq_ids must be an int array [n]; got "
+                      f"{getattr(seq_ids, 'shape', seq_ids)!r}.")
+    ids = ids.astype(jnp.int32)
+    valid, ids_ok = self._slot_ok(ids)
+    if _concrete(ids) and not bool(ids_ok):
+      raise ValueError(f"seq_ids must be distinct slots in [0, {cfg.batch}); "
+                       f"got {np.asarray(ids).tolist()}.")
+    s, p = cfg.page_size, cfg.num_pages
+    ids_c = jnp.clip(ids, 0, cfg.batch - 1)
+    take = valid & ids_ok
+    n_pg = jnp.where(take, _cdiv(self.lengths_[ids_c], s), 0)
+    start = self.n_free + jnp.cumsum(n_pg) - n_pg
+    pidx = jnp.arange(cfg.max_pages, dtype=jnp.int32)[None, :]
+    has = pidx < n_pg[:, None]
+    dst = jnp.where(has, start[:, None] + pidx, p).reshape(-1)
+    free_pages = self.free_pages.at[dst].set(
+        self.block_table[ids_c].reshape(-1), mode="drop")
+    row_w = jnp.where(take, ids_c, cfg.batch)
+    return self._replace(
+        free_pages=free_pages,
+        n_free=self.n_free + jnp.sum(n_pg),
+        lengths_=self.lengths_.at[row_w].set(0, mode="drop"),
+        block_table=self.block_table.at[row_w].set(0, mode="drop"),
+        error=self.error | jnp.where(ids_ok, 0, ERR_BAD_SLOT).astype(
+            jnp.int32))
+
+  # -- reading -------------------------------------------------------------------
+  def attend(self, q, *, softmax_scale=None, sinks=None,
+             window_size=(-1, -1), softcap: float = 0.0, num_splits=None,
+             backend: str = "auto"):
+    """Decode attention of q over the cache (no append): q [batch, n_heads,
+    head_dim], or [batch, q_len, n_heads, head_dim] for a draft whose tokens
+    are the last q_len cached ones (causal within the draft)."""
+    return _decode(self, q, softmax_scale=softmax_scale, sinks=sinks,
+                   window_size=window_size, softcap=softcap,
+                   num_splits=num_splits, backend=backend)
+
+
+def _decode(cache: FoldKVCache, q, *, softmax_scale, sinks, window_size,
+            softcap, num_splits, backend):
+  cfg = cache.config
+  val.check_array("q", q, ndim=(3, 4), layout="[batch, (q_len,) n_heads, "
+                  "head_dim]")
+  val.check_float_dtype("q", q)
+  if jnp.dtype(q.dtype) != cache.dtype:
+    raise TypeError(f"q has dtype {q.dtype}; the cache stores "
+                    f"{cache.dtype} (they must match).")
+  want = (cfg.batch, cfg.n_heads, cfg.head_dim)
+  got = (q.shape[0], q.shape[-2], q.shape[-1])
+  if got != want:
+    raise ValueError(f"q must have shape [batch, (q_len,) n_heads, head_dim] "
+                     f"= [{want[0]}, (q_len,) {want[1]}, {want[2]}]; got "
+                     f"{tuple(q.shape)}.")
+  if q.ndim == 4 and not 1 <= q.shape[1] <= MAX_DRAFT:
+    raise ValueError(f"a draft has 1..{MAX_DRAFT} tokens (q.shape[1]); got "
+                     f"{q.shape[1]}.")
+  left, _ = val.check_window(window_size)
+  softcap = val.check_softcap(softcap)
+  scale = val.check_softmax_scale(softmax_scale, cfg.head_dim)
+  val.check_sinks(sinks, cfg.n_heads)
+  if num_splits is not None:
+    num_splits = _check_int("num_splits", num_splits)
+  be = resolve_backend(backend, kernel="fold_attn_with_kvcache")
+  kw = dict(softmax_scale=scale, sinks=sinks, window_left=left,
+            softcap=softcap, depth=cfg.depth, v_res=cache.v_res,
+            v_scale=cache.v_scale, summaries=cache.summaries,
+            v8_depth=cfg.v8_depth)
+  if be == "xla":
+    return xla_decode(q, cache.k_pages, cache.v_pages, cache.block_table,
+                      cache.lengths_, **kw)
+  interpret = be == "interpret"
+  return paged_decode(q, cache.k_pages, cache.v_pages, cache.block_table,
+                      cache.lengths_, chunk_tokens=cfg.chunk_tokens,
+                      num_splits=num_splits, interpret=interpret,
+                      compute_capability=None if interpret else
+                      _gpu_capability(), **kw)
+
+
+def fold_attn_with_kvcache(q, cache: FoldKVCache, k=None, v=None, *,
+                           softmax_scale=None, sinks=None,
+                           window_size=(-1, -1), softcap: float = 0.0,
+                           num_splits=None, backend: str = "auto",
+                           active=None):
+  """Optionally appends k, v to every slot, then attends q over the cache.
+
+  Args:
+    q: [batch, n_heads, head_dim] (one new token per slot) or [batch, q_len,
+      n_heads, head_dim] (a speculative draft of q_len <= 16 tokens, causal
+      within the draft: draft token t sees the cache up to its own position).
+    cache: a FoldKVCache.
+    k, v: None, or the new tokens: [batch, n_kv_heads, head_dim] or [batch,
+      q_len, n_kv_heads, head_dim] (appended first, so the queries see them).
+    softmax_scale, sinks ([n_heads] logits in the denominator only), window_
+      size (left, right; right is implied 0), softcap: as fold_attn_func.
+    num_splits: None (the kernel chooses) or an int; the result is the same
+      bits for every value.
+    backend: "auto", "pallas", "interpret" or "xla".
+    active: optional bool [batch] (slots that get the new tokens).
+
+  Returns:
+    (out shaped like q, in q's dtype; the updated cache).
+  """
+  if (k is None) != (v is None):
+    raise ValueError("pass both k and v, or neither.")
+  if k is not None:
+    cache = cache.append(k, v, active=active)
+  out = _decode(cache, q, softmax_scale=softmax_scale, sinks=sinks,
+                window_size=window_size, softcap=softcap,
+                num_splits=num_splits, backend=backend)
+  return out, cache
+
+
+__all__ = ["FoldKVCache", "fold_attn_with_kvcache", "ERR_MAX_LEN", "ERR_POOL",
+           "ERR_NOT_EMPTY", "ERR_BAD_SLOT"]
