@@ -81,7 +81,7 @@ def xla_decode(q, k_pages, v_pages, block_table, lengths, *,
 
   # Per-page quantities, broadcast to keys.
   n_lp = bt.shape[1]
-  use_summ = depth is not None or v8
+  use_summ = depth is not None
   if use_summ:
     kmax, kmin, ksum, ksq = (jnp.asarray(x)[..., :d].astype(jnp.float32)
                              for x in summaries)
@@ -114,23 +114,24 @@ def xla_decode(q, k_pages, v_pages, block_table, lengths, *,
       keep = to_key(u >= r[..., None] - depth)
       use = vis & keep
     m = jnp.max(jnp.where(use, sc, -jnp.inf), axis=-1)
-    p = jnp.where(use, jnp.exp2(sc - r[..., None]), 0.0)
+    rel = sc - r[..., None]
+    p = jnp.where(use, jnp.exp2(rel), 0.0)
     l = jnp.sum(p, axis=-1)
+    num = p
     if depth is not None:
       est = jnp.where(vis & ~keep, jnp.exp2(to_key(e) - r[..., None]), 0.0)
       l = l + jnp.sum(est, axis=-1)
+      num = jnp.where(rel >= -depth, p, 0.0)
     if sink2 is not None:
       l = l + jnp.exp2(sink2 - r)
     if v8:
-      fine = to_key(u >= r[..., None] - v8_depth)
-      if depth is not None:
-        fine &= keep
-      acc = jnp.einsum("bhrt,bthd->bhrd", p, vc, precision=_HIGHEST)
-      acc = acc + jnp.einsum("bhrt,bthd->bhrd", jnp.where(fine, p, 0.0), vr,
+      fine = jnp.where(rel >= -v8_depth, num, 0.0)
+      acc = jnp.einsum("bhrt,bthd->bhrd", num, vc, precision=_HIGHEST)
+      acc = acc + jnp.einsum("bhrt,bthd->bhrd", fine, vr,
                              precision=_HIGHEST) * 2.0 ** -V8_RES_SHIFT
       acc = acc * jnp.asarray(v_scale, jnp.float32).reshape(())
     else:
-      acc = jnp.einsum("bhrt,bthd->bhrd", p, vv, precision=_HIGHEST)
+      acc = jnp.einsum("bhrt,bthd->bhrd", num, vv, precision=_HIGHEST)
     out = jnp.where((l > 0)[..., None], acc / jnp.where(l > 0, l, 1.0)[
         ..., None], 0.0)
     return out, m

@@ -20,8 +20,8 @@ Storage
     first and no page is ever held by two live slots.
   v8=True: v_pages is the coarse E4M3 plane, v_res the residual plane and
     v_scale the per-cache power-of-two scale (fixed by the first write).
-  depth / v8: per-page key summaries (kmax, kmin, ksum, ksumsq) drive the
-    cut and the residual-plane rule (see `pallas_kernels.decode.kernel`).
+  depth: per-page key summaries (kmax, kmin, ksum, ksumsq) drive the page
+    cut and its mass estimate (see `pallas_kernels.decode.kernel`).
 
 Errors and `jax.jit`
 --------------------
@@ -45,7 +45,7 @@ and on the shipped tile table.
 from __future__ import annotations
 
 import dataclasses
-import math
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -104,7 +104,7 @@ class CacheConfig:
 
   @property
   def summaries(self) -> bool:
-    return self.depth is not None or self.v8
+    return self.depth is not None
 
 
 def _check_int(name, x, lo=1):
@@ -172,9 +172,10 @@ class FoldKVCache:
         per slot.
       page_size: tokens per page (a power of two >= 16).
       dtype: key/value dtype (bf16, fp16 or fp32); queries must match it.
-      depth: None (exact) or an int > 0: cut pages whose weight bound is
-        below 2^-depth of the row's declared reference, keeping an estimate
-        of their mass.
+      depth: None (exact) or an int > 0: keys whose weight is below 2^-depth
+        of the row's declared reference leave the numerator (their mass stays
+        in the denominator; pages whose bound is below the cut are not read
+        and their mass is estimated). Tiles with nothing left skip V.
       v8: store values as two E4M3 planes (coarse + residual).
       num_pages: pool size (default batch * ceil(max_len / page_size), enough
         for every slot at max_len; smaller pools share memory and can run
@@ -182,8 +183,9 @@ class FoldKVCache:
       chunk_tokens: keys per partial sum (a multiple of page_size; default
         the multiple of page_size nearest 1024 from above). Part of the
         numerics: results are bitwise reproducible for a fixed value.
-      v8_depth: with v8, pages whose bound is below 2^-v8_depth of the
-        reference are decoded from the coarse plane only.
+      v8_depth: with v8, keys whose weight is below 2^-v8_depth of the
+        reference are decoded from the coarse plane only (tiles where no
+        weight reaches it never read the residual plane).
     """
     batch = _check_int("batch", batch)
     n_heads = _check_int("n_heads", n_heads)
@@ -266,22 +268,7 @@ class FoldKVCache:
                        "operations left the cache unchanged.")
     return self
 
-  # -- writing ---------------------------------------------------------------------
-  def _pad_kv(self, x):
-    d = self.config.head_dim
-    pad = [(0, 0)] * (x.ndim - 1) + [(0, self.config.d_pad - d)]
-    return jnp.pad(x, pad)
-
-  def _encode_values(self, v, valid, scale):
-    """(v_pages-plane values, v_res values, new scale) for the pool."""
-    if not self.config.v8:
-      return v.astype(self.dtype), None, scale
-    vf = jnp.asarray(v, jnp.float32)
-    mx = jnp.max(jnp.where(valid, jnp.abs(vf), 0.0))
-    scale = jnp.where(scale > 0, scale, v8_scale_for(mx))
-    c, r = encode_v8(vf, scale)
-    return c, r, scale
-
+  # -- writing ---------------------------------------------------------------
   def append(self, k, v, *, active=None) -> "FoldKVCache":
     """Appends tokens: k, v [batch, n_kv_heads, head_dim] (one token per
     slot) or [batch, n, n_kv_heads, head_dim] (n tokens per slot).
@@ -291,100 +278,20 @@ class FoldKVCache:
     a slot would pass max_len or the pool runs out; nothing is written then.
     """
     cfg = self.config
-    k, v, active = self._check_append(k, v, active)
-    n = k.shape[1]
-    lens = self.lengths_
-    grow = jnp.where(active, n, 0).astype(jnp.int32)
-    new_len = lens + grow
-    need = jnp.sum(_cdiv(new_len, cfg.page_size) - _cdiv(lens, cfg.page_size))
-    over_len = jnp.any(new_len > cfg.max_len)
-    over_pool = need > self.n_free
-    if _concrete(lens, self.n_free, active):
-      if bool(over_len):
+    k, v, active = _check_append(cfg, k, v, active)
+    if _concrete(self.lengths_, self.n_free, active):
+      over_len, over_pool, need, new_len = (
+          np.asarray(x) for x in _append_capacity(self, k.shape[1], active))
+      if over_len:
         raise ValueError(
             f"append would grow slot(s) "
-            f"{np.flatnonzero(np.asarray(new_len) > cfg.max_len).tolist()} "
-            f"past max_len = {cfg.max_len}; the cache is unchanged.")
-      if bool(over_pool):
+            f"{np.flatnonzero(new_len > cfg.max_len).tolist()} past max_len "
+            f"= {cfg.max_len}; the cache is unchanged.")
+      if over_pool:
         raise ValueError(f"append needs {int(need)} new page(s) but only "
                          f"{int(self.n_free)} of {cfg.num_pages} are free; "
                          "the cache is unchanged.")
-    ok = ~(over_len | over_pool)
-    err = (jnp.where(over_len, ERR_MAX_LEN, 0) |
-           jnp.where(over_pool, ERR_POOL, 0)).astype(jnp.int32)
-    cache = self._replace(error=self.error | err)
-    act = active & ok
-    for i in range(n):
-      cache = cache._append_one(k[:, i], v[:, i], act)
-    return cache
-
-  def _check_append(self, k, v, active):
-    cfg = self.config
-    for name, x in (("k", k), ("v", v)):
-      val.check_array(name, x, ndim=(3, 4),
-                      layout="[batch, (n,) n_kv_heads, head_dim]")
-      val.check_float_dtype(name, x)
-    if k.shape != v.shape:
-      raise ValueError(f"k and v must have the same shape; got k "
-                       f"{tuple(k.shape)} and v {tuple(v.shape)}.")
-    if k.ndim == 3:
-      k, v = k[:, None], v[:, None]
-    want = (cfg.batch, cfg.n_kv_heads, cfg.head_dim)
-    if (k.shape[0], k.shape[2], k.shape[3]) != want:
-      raise ValueError(f"k must have shape [batch, (n,) n_kv_heads, head_dim]"
-                       f" = [{want[0]}, (n,) {want[1]}, {want[2]}]; got "
-                       f"{tuple(k.shape)}.")
-    if active is None:
-      active = jnp.ones((cfg.batch,), bool)
-    else:
-      val.check_array("active", active, ndim=1, layout="[batch]")
-      if active.shape[0] != cfg.batch:
-        raise ValueError(f"active must have shape [batch] = [{cfg.batch}]; "
-                         f"got {tuple(active.shape)}.")
-      active = jnp.asarray(active).astype(bool)
-    return k, v, active
-
-  def _append_one(self, k, v, act):
-    """One token per active slot (capacity already checked)."""
-    cfg = self.config
-    s, p = cfg.page_size, cfg.num_pages
-    pos = self.lengths_
-    need = act & (pos % s == 0)
-    rank = jnp.cumsum(need.astype(jnp.int32)) - need.astype(jnp.int32)
-    fresh = self.free_pages[jnp.clip(self.n_free - 1 - rank, 0, p - 1)]
-    lp = jnp.clip(pos // s, 0, cfg.max_pages - 1)
-    rows = jnp.arange(cfg.batch)
-    bt = self.block_table.at[rows, lp].set(
-        jnp.where(need, fresh, self.block_table[rows, lp]))
-    page = bt[rows, lp]
-    page_w = jnp.where(act, page, p)  # out of range: dropped
-    off = pos % s
-    kp = self._pad_kv(k).astype(self.dtype)
-    vp = self._pad_kv(v)
-    scale = self.v_scale
-    vc, vr, scale = self._encode_values(vp, act[:, None, None], scale)
-    upd = dict(
-        k_pages=self.k_pages.at[page_w, off].set(kp, mode="drop"),
-        v_pages=self.v_pages.at[page_w, off].set(vc, mode="drop"),
-        block_table=bt,
-        lengths_=pos + act.astype(jnp.int32),
-        n_free=self.n_free - jnp.sum(need.astype(jnp.int32)))
-    if cfg.v8:
-      upd["v_res"] = self.v_res.at[page_w, off].set(vr, mode="drop")
-      upd["v_scale"] = scale
-    if cfg.summaries:
-      kmax, kmin, ksum, ksq = self.summaries
-      pg = jnp.clip(page, 0, p - 1)
-      kf = kp.astype(jnp.float32)
-      first = need[:, None, None]
-      nmax = jnp.where(first, kp, jnp.maximum(kmax[pg], kp))
-      nmin = jnp.where(first, kp, jnp.minimum(kmin[pg], kp))
-      nsum = jnp.where(first, kf, ksum[pg] + kf)
-      nsq = jnp.where(first, kf * kf, ksq[pg] + kf * kf)
-      upd["summaries"] = tuple(
-          x.at[page_w].set(y, mode="drop")
-          for x, y in zip(self.summaries, (nmax, nmin, nsum, nsq)))
-    return self._replace(**upd)
+    return _append_core(self, k, v, active)
 
   def prefill(self, q, k, v, cu_seqlens, *, seq_ids=None, max_seqlen=None,
               softmax_scale=None, sinks=None, window_size=(-1, -1),
@@ -428,95 +335,32 @@ class FoldKVCache:
                          f"got {tuple(seq_ids.shape)}.")
       seq_ids = jnp.asarray(seq_ids, jnp.int32)
     mq = val.concrete_max_seqlen("max_seqlen", cu_seqlens, max_seqlen)
+    if _concrete(cu, seq_ids, self.lengths_, self.n_free):
+      ids_ok, not_empty, too_long, over_pool, total = (
+          np.asarray(x) for x in _prompt_checks(self, cu, seq_ids))
+      if not ids_ok:
+        raise ValueError(f"seq_ids must be distinct slots in [0, {cfg.batch})"
+                         f"; got {np.asarray(seq_ids).tolist()}.")
+      if not_empty:
+        lens = np.asarray(self.lengths_)
+        busy = [int(i) for i in np.asarray(seq_ids) if lens[int(i)] > 0]
+        raise ValueError(f"prefill needs empty slots; slot(s) {busy} hold "
+                         "tokens (free them first). The cache is unchanged.")
+      if too_long:
+        raise ValueError(f"a prompt of {int(np.max(np.diff(np.asarray(cu))))}"
+                         f" tokens exceeds max_len = {cfg.max_len}; the cache "
+                         "is unchanged.")
+      if over_pool:
+        raise ValueError(f"the prompts need {int(total)} page(s) but only "
+                         f"{int(self.n_free)} of {cfg.num_pages} are free; "
+                         "the cache is unchanged.")
     out = fold_attn_varlen_func(q, k, v, cu, max_seqlen_q=mq, causal=True,
                                 softmax_scale=softmax_scale, sinks=sinks,
                                 window_size=window_size, softcap=softcap,
                                 backend=backend)
-    return out, self._write_prompts(k, v, cu, seq_ids, mq)
-
-  def _slot_ok(self, ids):
-    """(valid [n]: in range and first occurrence, all_valid)."""
-    n = ids.shape[0]
-    in_range = (ids >= 0) & (ids < self.config.batch)
-    earlier = (ids[:, None] == ids[None, :]) & (
-        jnp.arange(n)[None, :] < jnp.arange(n)[:, None])
-    first = ~jnp.any(earlier, axis=1)
-    valid = in_range & first
-    return valid, jnp.all(valid)
-
-  def _write_prompts(self, k, v, cu, seq_ids, max_seqlen):
-    cfg = self.config
-    s, p = cfg.page_size, cfg.num_pages
-    seq_len = cu[1:] - cu[:-1]
-    n_pg = _cdiv(seq_len, s)
-    total = jnp.sum(n_pg)
-    valid_id, ids_ok = self._slot_ok(seq_ids)
-    ids_c = jnp.clip(seq_ids, 0, cfg.batch - 1)
-    not_empty = jnp.any(valid_id & (self.lengths_[ids_c] > 0))
-    too_long = jnp.any(seq_len > cfg.max_len)
-    over_pool = total > self.n_free
-    if _concrete(cu, seq_ids, self.lengths_, self.n_free):
-      if not bool(ids_ok):
-        raise ValueError(f"seq_ids must be distinct slots in [0, {cfg.batch})"
-                         f"; got {np.asarray(seq_ids).tolist()}.")
-      if bool(not_empty):
-        busy = [int(i) for i in np.asarray(seq_ids)
-                if int(self.lengths_[int(i)]) > 0]
-        raise ValueError(f"prefill needs empty slots; slot(s) {busy} hold "
-                         "tokens (free them first). The cache is unchanged.")
-      if bool(too_long):
-        raise ValueError(f"a prompt of {int(jnp.max(seq_len))} tokens exceeds "
-                         f"max_len = {cfg.max_len}; the cache is unchanged.")
-      if bool(over_pool):
-        raise ValueError(f"the prompts need {int(total)} page(s) but only "
-                         f"{int(self.n_free)} of {cfg.num_pages} are free; "
-                         "the cache is unchanged.")
-    ok = ids_ok & ~not_empty & ~too_long & ~over_pool
-    err = (jnp.where(ids_ok, 0, ERR_BAD_SLOT) |
-           jnp.where(not_empty, ERR_NOT_EMPTY, 0) |
-           jnp.where(too_long, ERR_MAX_LEN, 0) |
-           jnp.where(over_pool, ERR_POOL, 0)).astype(jnp.int32)
-
-    mp = cfg.max_pages if max_seqlen is None else min(
-        cfg.max_pages, _cdiv(int(max_seqlen), s))
-    n_seq = seq_len.shape[0]
-    start = jnp.cumsum(n_pg) - n_pg  # pages popped before prompt i
-    pidx = jnp.arange(mp, dtype=jnp.int32)[None, :]
-    has = (pidx < n_pg[:, None]) & ok
-    pages = self.free_pages[jnp.clip(self.n_free - 1 - (start[:, None] + pidx),
-                                     0, p - 1)]
-    pages_w = jnp.where(has, pages, p).reshape(-1)  # [n_seq * mp]
-    # Tokens laid out page by page: [n_seq, mp, s].
-    o = jnp.arange(s, dtype=jnp.int32)[None, None, :]
-    rel = pidx[..., None] * s + o
-    tok_ok = rel < seq_len[:, None, None]
-    tok = jnp.clip(cu[:-1, None, None] + rel, 0, k.shape[0] - 1)
-    tmask = tok_ok[..., None, None]
-    kd = jnp.where(tmask, self._pad_kv(k)[tok], 0).astype(self.dtype)
-    vd = jnp.where(tmask, self._pad_kv(v)[tok], 0)
-    vc, vr, scale = self._encode_values(vd, tmask & has[..., None, None, None],
-                                        self.v_scale)
-    shp = (n_seq * mp, s, cfg.n_kv_heads, cfg.d_pad)
-    upd = dict(
-        k_pages=self.k_pages.at[pages_w].set(kd.reshape(shp), mode="drop"),
-        v_pages=self.v_pages.at[pages_w].set(vc.reshape(shp), mode="drop"))
-    if cfg.v8:
-      upd["v_res"] = self.v_res.at[pages_w].set(vr.reshape(shp), mode="drop")
-      upd["v_scale"] = jnp.where(ok, scale, self.v_scale)
-    if cfg.summaries:
-      counts = jnp.clip(seq_len[:, None] - pidx * s, 0, s).reshape(-1)
-      new = page_summaries(kd.reshape(shp), counts)
-      upd["summaries"] = tuple(x.at[pages_w].set(y, mode="drop")
-                               for x, y in zip(self.summaries, new))
-    row_w = jnp.where(valid_id & ok, ids_c, cfg.batch)  # dropped if not ok
-    bt_rows = jnp.where(pidx < n_pg[:, None], pages,
-                        self.block_table[ids_c, :mp])
-    upd["block_table"] = self.block_table.at[row_w, :mp].set(bt_rows,
-                                                             mode="drop")
-    upd["lengths_"] = self.lengths_.at[row_w].set(seq_len, mode="drop")
-    upd["n_free"] = self.n_free - jnp.where(ok, total, 0)
-    upd["error"] = self.error | err
-    return self._replace(**upd)
+    mp = cfg.max_pages if mq is None else min(cfg.max_pages,
+                                              _cdiv(int(mq), cfg.page_size))
+    return out, _prefill_core(self, k, v, cu, seq_ids, mp=mp)
 
   def free(self, seq_ids) -> "FoldKVCache":
     """Returns the pages of slots `seq_ids` (int [n]) to the pool and empties
@@ -528,28 +372,10 @@ class FoldKVCache:
       raise TypeError(f"seq_ids must be an int array [n]; got "
                       f"{getattr(seq_ids, 'shape', seq_ids)!r}.")
     ids = ids.astype(jnp.int32)
-    valid, ids_ok = self._slot_ok(ids)
-    if _concrete(ids) and not bool(ids_ok):
+    if _concrete(ids) and not bool(_slot_ok(cfg, ids)[1]):
       raise ValueError(f"seq_ids must be distinct slots in [0, {cfg.batch}); "
                        f"got {np.asarray(ids).tolist()}.")
-    s, p = cfg.page_size, cfg.num_pages
-    ids_c = jnp.clip(ids, 0, cfg.batch - 1)
-    take = valid & ids_ok
-    n_pg = jnp.where(take, _cdiv(self.lengths_[ids_c], s), 0)
-    start = self.n_free + jnp.cumsum(n_pg) - n_pg
-    pidx = jnp.arange(cfg.max_pages, dtype=jnp.int32)[None, :]
-    has = pidx < n_pg[:, None]
-    dst = jnp.where(has, start[:, None] + pidx, p).reshape(-1)
-    free_pages = self.free_pages.at[dst].set(
-        self.block_table[ids_c].reshape(-1), mode="drop")
-    row_w = jnp.where(take, ids_c, cfg.batch)
-    return self._replace(
-        free_pages=free_pages,
-        n_free=self.n_free + jnp.sum(n_pg),
-        lengths_=self.lengths_.at[row_w].set(0, mode="drop"),
-        block_table=self.block_table.at[row_w].set(0, mode="drop"),
-        error=self.error | jnp.where(ids_ok, 0, ERR_BAD_SLOT).astype(
-            jnp.int32))
+    return _free_core(self, ids)
 
   # -- reading -------------------------------------------------------------------
   def attend(self, q, *, softmax_scale=None, sinks=None,
@@ -561,6 +387,217 @@ class FoldKVCache:
     return _decode(self, q, softmax_scale=softmax_scale, sinks=sinks,
                    window_size=window_size, softcap=softcap,
                    num_splits=num_splits, backend=backend)
+
+
+# ----------------------------------------------------------------------------
+# Jitted cores (one dispatch per call eagerly; inlined under an outer jit)
+# ----------------------------------------------------------------------------
+def _check_append(cfg: CacheConfig, k, v, active):
+  for name, x in (("k", k), ("v", v)):
+    val.check_array(name, x, ndim=(3, 4),
+                    layout="[batch, (n,) n_kv_heads, head_dim]")
+    val.check_float_dtype(name, x)
+  if k.shape != v.shape:
+    raise ValueError(f"k and v must have the same shape; got k "
+                     f"{tuple(k.shape)} and v {tuple(v.shape)}.")
+  if k.ndim == 3:
+    k, v = k[:, None], v[:, None]
+  want = (cfg.batch, cfg.n_kv_heads, cfg.head_dim)
+  if (k.shape[0], k.shape[2], k.shape[3]) != want:
+    raise ValueError(f"k must have shape [batch, (n,) n_kv_heads, head_dim] = "
+                     f"[{want[0]}, (n,) {want[1]}, {want[2]}]; got "
+                     f"{tuple(k.shape)}.")
+  if active is None:
+    active = jnp.ones((cfg.batch,), bool)
+  else:
+    val.check_array("active", active, ndim=1, layout="[batch]")
+    if active.shape[0] != cfg.batch:
+      raise ValueError(f"active must have shape [batch] = [{cfg.batch}]; got "
+                       f"{tuple(active.shape)}.")
+    active = jnp.asarray(active).astype(bool)
+  return k, v, active
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _append_capacity(cache: FoldKVCache, n: int, active):
+  cfg = cache.config
+  lens = cache.lengths_
+  new_len = lens + jnp.where(active, n, 0).astype(jnp.int32)
+  need = jnp.sum(_cdiv(new_len, cfg.page_size) - _cdiv(lens, cfg.page_size))
+  return (jnp.any(new_len > cfg.max_len), need > cache.n_free, need, new_len)
+
+
+def _slot_ok(cfg: CacheConfig, ids):
+  """(valid [n]: in range and first occurrence; all valid)."""
+  n = ids.shape[0]
+  in_range = (ids >= 0) & (ids < cfg.batch)
+  earlier = (ids[:, None] == ids[None, :]) & (
+      jnp.arange(n)[None, :] < jnp.arange(n)[:, None])
+  valid = in_range & ~jnp.any(earlier, axis=1)
+  return valid, jnp.all(valid)
+
+
+def _pad_kv(cfg: CacheConfig, x):
+  pad = [(0, 0)] * (x.ndim - 1) + [(0, cfg.d_pad - cfg.head_dim)]
+  return jnp.pad(x, pad)
+
+
+def _encode_values(cache: FoldKVCache, v, valid):
+  """(value-plane data, residual-plane data or None, scale) for the pool.
+  v8: the scale is set by the first write (from its largest |value|)."""
+  if not cache.config.v8:
+    return v.astype(cache.dtype), None, cache.v_scale
+  vf = jnp.asarray(v, jnp.float32)
+  mx = jnp.max(jnp.where(valid, jnp.abs(vf), 0.0))
+  scale = jnp.where(cache.v_scale > 0, cache.v_scale, v8_scale_for(mx))
+  c, r = encode_v8(vf, scale)
+  return c, r, scale
+
+
+@jax.jit
+def _append_core(cache: FoldKVCache, k, v, active):
+  cfg = cache.config
+  over_len, over_pool, _, _ = _append_capacity(cache, k.shape[1], active)
+  ok = ~(over_len | over_pool)
+  err = (jnp.where(over_len, ERR_MAX_LEN, 0) |
+         jnp.where(over_pool, ERR_POOL, 0)).astype(jnp.int32)
+  cache = cache._replace(error=cache.error | err)
+  act = active & ok
+  for i in range(k.shape[1]):
+    cache = _append_one(cache, k[:, i], v[:, i], act)
+  return cache
+
+
+def _append_one(cache: FoldKVCache, k, v, act):
+  """One token per active slot (capacity already checked)."""
+  cfg = cache.config
+  s, p = cfg.page_size, cfg.num_pages
+  pos = cache.lengths_
+  need = act & (pos % s == 0)
+  need_i = need.astype(jnp.int32)
+  rank = jnp.cumsum(need_i) - need_i
+  fresh = cache.free_pages[jnp.clip(cache.n_free - 1 - rank, 0, p - 1)]
+  lp = jnp.clip(pos // s, 0, cfg.max_pages - 1)
+  rows = jnp.arange(cfg.batch)
+  bt = cache.block_table.at[rows, lp].set(
+      jnp.where(need, fresh, cache.block_table[rows, lp]))
+  page = bt[rows, lp]
+  page_w = jnp.where(act, page, p)  # out of range: dropped
+  off = pos % s
+  kp = _pad_kv(cfg, k).astype(cache.dtype)
+  vc, vr, scale = _encode_values(cache, _pad_kv(cfg, v), act[:, None, None])
+  upd = dict(
+      k_pages=cache.k_pages.at[page_w, off].set(kp, mode="drop"),
+      v_pages=cache.v_pages.at[page_w, off].set(vc, mode="drop"),
+      block_table=bt,
+      lengths_=pos + act.astype(jnp.int32),
+      n_free=cache.n_free - jnp.sum(need_i))
+  if cfg.v8:
+    upd["v_res"] = cache.v_res.at[page_w, off].set(vr, mode="drop")
+    upd["v_scale"] = scale
+  if cfg.summaries:
+    kmax, kmin, ksum, ksq = cache.summaries
+    pg = jnp.clip(page, 0, p - 1)
+    kf = kp.astype(jnp.float32)
+    first = need[:, None, None]
+    new = (jnp.where(first, kp, jnp.maximum(kmax[pg], kp)),
+           jnp.where(first, kp, jnp.minimum(kmin[pg], kp)),
+           jnp.where(first, kf, ksum[pg] + kf),
+           jnp.where(first, kf * kf, ksq[pg] + kf * kf))
+    upd["summaries"] = tuple(x.at[page_w].set(y, mode="drop")
+                             for x, y in zip(cache.summaries, new))
+  return cache._replace(**upd)
+
+
+@jax.jit
+def _prompt_checks(cache: FoldKVCache, cu, seq_ids):
+  cfg = cache.config
+  seq_len = cu[1:] - cu[:-1]
+  total = jnp.sum(_cdiv(seq_len, cfg.page_size))
+  valid, ids_ok = _slot_ok(cfg, seq_ids)
+  ids_c = jnp.clip(seq_ids, 0, cfg.batch - 1)
+  not_empty = jnp.any(valid & (cache.lengths_[ids_c] > 0))
+  too_long = jnp.any(seq_len > cfg.max_len)
+  over_pool = total > cache.n_free
+  return ids_ok, not_empty, too_long, over_pool, total
+
+
+@functools.partial(jax.jit, static_argnames="mp")
+def _prefill_core(cache: FoldKVCache, k, v, cu, seq_ids, *, mp: int):
+  """Writes packed prompts page by page into fresh pages (mp: most pages of
+  one prompt)."""
+  cfg = cache.config
+  s, p = cfg.page_size, cfg.num_pages
+  ids_ok, not_empty, too_long, over_pool, total = _prompt_checks(
+      cache, cu, seq_ids)
+  ok = ids_ok & ~not_empty & ~too_long & ~over_pool
+  err = (jnp.where(ids_ok, 0, ERR_BAD_SLOT) |
+         jnp.where(not_empty, ERR_NOT_EMPTY, 0) |
+         jnp.where(too_long, ERR_MAX_LEN, 0) |
+         jnp.where(over_pool, ERR_POOL, 0)).astype(jnp.int32)
+  seq_len = cu[1:] - cu[:-1]
+  n_pg = _cdiv(seq_len, s)
+  n_seq = seq_len.shape[0]
+  start = jnp.cumsum(n_pg) - n_pg  # pages popped before prompt i
+  pidx = jnp.arange(mp, dtype=jnp.int32)[None, :]
+  has = (pidx < n_pg[:, None]) & ok
+  pages = cache.free_pages[jnp.clip(
+      cache.n_free - 1 - (start[:, None] + pidx), 0, p - 1)]
+  pages_w = jnp.where(has, pages, p).reshape(-1)  # [n_seq * mp]
+  # Tokens laid out page by page: [n_seq, mp, s].
+  rel = pidx[..., None] * s + jnp.arange(s, dtype=jnp.int32)[None, None, :]
+  tmask = (rel < seq_len[:, None, None])[..., None, None]
+  tok = jnp.clip(cu[:-1, None, None] + rel, 0, k.shape[0] - 1)
+  kd = jnp.where(tmask, _pad_kv(cfg, k)[tok], 0).astype(cache.dtype)
+  vd = jnp.where(tmask, _pad_kv(cfg, v)[tok], 0)
+  vc, vr, scale = _encode_values(cache, vd,
+                                 tmask & has[..., None, None, None])
+  shp = (n_seq * mp, s, cfg.n_kv_heads, cfg.d_pad)
+  upd = dict(
+      k_pages=cache.k_pages.at[pages_w].set(kd.reshape(shp), mode="drop"),
+      v_pages=cache.v_pages.at[pages_w].set(vc.reshape(shp), mode="drop"))
+  if cfg.v8:
+    upd["v_res"] = cache.v_res.at[pages_w].set(vr.reshape(shp), mode="drop")
+    upd["v_scale"] = jnp.where(ok, scale, cache.v_scale)
+  if cfg.summaries:
+    counts = jnp.clip(seq_len[:, None] - pidx * s, 0, s).reshape(-1)
+    new = page_summaries(kd.reshape(shp), counts)
+    upd["summaries"] = tuple(x.at[pages_w].set(y, mode="drop")
+                             for x, y in zip(cache.summaries, new))
+  valid, _ = _slot_ok(cfg, seq_ids)
+  ids_c = jnp.clip(seq_ids, 0, cfg.batch - 1)
+  row_w = jnp.where(valid & ok, ids_c, cfg.batch)  # dropped if not ok
+  bt_rows = jnp.where(pidx < n_pg[:, None], pages,
+                      cache.block_table[ids_c, :mp])
+  upd["block_table"] = cache.block_table.at[row_w, :mp].set(bt_rows,
+                                                            mode="drop")
+  upd["lengths_"] = cache.lengths_.at[row_w].set(seq_len, mode="drop")
+  upd["n_free"] = cache.n_free - jnp.where(ok, total, 0)
+  upd["error"] = cache.error | err
+  return cache._replace(**upd)
+
+
+@jax.jit
+def _free_core(cache: FoldKVCache, ids):
+  cfg = cache.config
+  s, p = cfg.page_size, cfg.num_pages
+  valid, ids_ok = _slot_ok(cfg, ids)
+  ids_c = jnp.clip(ids, 0, cfg.batch - 1)
+  take = valid & ids_ok
+  n_pg = jnp.where(take, _cdiv(cache.lengths_[ids_c], s), 0)
+  start = cache.n_free + jnp.cumsum(n_pg) - n_pg
+  pidx = jnp.arange(cfg.max_pages, dtype=jnp.int32)[None, :]
+  dst = jnp.where(pidx < n_pg[:, None], start[:, None] + pidx, p).reshape(-1)
+  free_pages = cache.free_pages.at[dst].set(
+      cache.block_table[ids_c].reshape(-1), mode="drop")
+  row_w = jnp.where(take, ids_c, cfg.batch)
+  return cache._replace(
+      free_pages=free_pages,
+      n_free=cache.n_free + jnp.sum(n_pg),
+      lengths_=cache.lengths_.at[row_w].set(0, mode="drop"),
+      block_table=cache.block_table.at[row_w].set(0, mode="drop"),
+      error=cache.error | jnp.where(ids_ok, 0, ERR_BAD_SLOT).astype(
+          jnp.int32))
 
 
 def _decode(cache: FoldKVCache, q, *, softmax_scale, sinks, window_size,

@@ -9,7 +9,7 @@ Layouts (those of `pallas_kernels.reference.decode`):
                residual E4M3 plane and `v_scale` [1] the power-of-two scale.
   block_table: int32 [batch, max_pages]; lengths: int32 [batch].
   summaries:   (kmax, kmin) [num_pages, heads_kv, d_pad] in the key dtype and
-               (ksum, ksumsq) float32: per-page key statistics (depth / v8).
+               (ksum, ksumsq) float32: per-page key statistics (depth).
 
 The softmax reference is declared before any reduction
 ------------------------------------------------------
@@ -38,15 +38,25 @@ exact). A row that fails is recomputed with R := M (a second pass, under
 therefore their bits. The flag depends only on the row's own data, so the
 invariances hold through the fallback.
 
-depth (optional): page p is cut for row r when its bounding-box bound
-u_pr = max over the page's box of s <= R_r - depth: its keys are not read
-(if no row of the group needs the page) and its mass is estimated as
-n_visible * 2^(e_pr - R_r), e = mean score + ln2 * var / 2 (the log-normal
-mean, capped at the bound), added to the denominator.
+depth (optional), with w_j = 2^(s_j - R) a key's weight against the declared
+reference:
+  * key cut: keys with w_j < 2^-depth leave the numerator but keep their
+    exact mass in the denominator; a tile where no (row, key) weight reaches
+    2^-depth does not read its values.
+  * page cut: a page whose bounding-box bound u_pr = max over the page's box
+    of s is below R_r - depth (so every key of it would be cut for row r)
+    is not read at all for that row (nor by the program if no row needs it);
+    its mass enters the denominator as an estimate n_visible * 2^(e_pr - R_r),
+    e = mean score + ln2 * var / 2 (the log-normal mean, capped at the bound),
+    from the page summaries.
 
 v8: values are decoded from a coarse E4M3 plane c and a residual plane r as
-scale * (c + r / 16); the residual plane is read only for pages whose bound
-reaches R - v8_depth for some row (rows below that use the coarse plane).
+scale * (c + r / 16); the residual term of key j is used only when
+w_j >= 2^-v8_depth, and a tile where no weight reaches that reads only the
+coarse plane (half the value bytes).
+
+Every one of these decisions is a function of the row's own data, so the
+invariances above hold for depth and v8 too.
 """
 
 from __future__ import annotations
@@ -124,7 +134,7 @@ class DecodeSpec:
 
   @property
   def summaries(self) -> bool:
-    return self.depth is not None or self.v8
+    return self.depth is not None
 
 
 # ----------------------------------------------------------------------------
@@ -145,6 +155,10 @@ def _scores(spec: DecodeSpec, qk):
 def _any(x):
   """Triton has no reduce_or: max over int32."""
   return jnp.max(x.astype(jnp.int32)) > 0
+
+
+def _any2(x):
+  return jnp.max(jnp.max(x.astype(jnp.int32), axis=1)) > 0
 
 
 def _dot_precision(dtype):
@@ -226,8 +240,6 @@ def _page_stats(spec: DecodeSpec, qf, sum_refs, page, h, count):
   u_raw = jnp.sum(jnp.maximum(qf * kmax, qf * kmin), axis=1)
   c2 = spec.scale * LOG2E
   u = _capped(spec, u_raw * c2)
-  if spec.depth is None:
-    return u, None
   n = jnp.maximum(count, 1).astype(jnp.float32)
   mean = ksum_ref[page, h, :][None, :] / n
   var = jnp.maximum(ksq_ref[page, h, :][None, :] / n - mean * mean, 0.0)
@@ -286,46 +298,43 @@ def _split_kernel(len_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
     kin = kpos < hi
     vis = rows.visible(kpos, hi)
     use = vis
-    load_k = load_v = load_r = None
-    if spec.summaries:
+    kmask = kin[:, None]
+    if spec.depth is not None:
+      # Page cut: a page whose bound is below R - depth is not read; its mass
+      # enters the denominator as an estimate.
       count = jnp.minimum(hi - (k0 // s) * s, s)
       u, e = _page_stats(spec, qf, sum_refs, page, h, count)
-      if spec.depth is not None:
-        keep = u >= ref - spec.depth
-        use = vis & keep[:, None]
-        load_k = load_v = _any(keep & rows.ok)
-      else:
-        keep = None
-      if spec.v8:
-        fine = u >= ref - spec.v8_depth
-        if keep is not None:
-          fine &= keep
-        load_r = _any(fine & rows.ok)
-    kmask = kin[:, None] if load_k is None else kin[:, None] & load_k
+      keep = u >= ref - spec.depth
+      use = vis & keep[:, None]
+      kmask = kmask & _any(keep & rows.ok)
     k = plgpu.load(k_ref.at[page, pl.ds(off, bk), h, :], mask=kmask,
                    other=0.0)
     sc = _scores(spec, plgpu.dot(q, k, trans_b=True, precision=precision))
     m = jnp.maximum(m, jnp.max(jnp.where(use, sc, -jnp.inf), axis=1))
-    p = jnp.where(use, jnp.exp2(sc - ref[:, None]), 0.0)
+    rel = sc - ref[:, None]
+    p = jnp.where(use, jnp.exp2(rel), 0.0)
     l = l + jnp.sum(p, axis=1)
+    num = p
+    vmask = kin[:, None]
     if spec.depth is not None:
       n_vis = jnp.sum(vis.astype(jnp.float32), axis=1)
-      est = jnp.exp2(e - ref) * n_vis
-      l = l + jnp.where(keep, 0.0, est)
-    vmask = kin[:, None] if load_v is None else kin[:, None] & load_v
+      l = l + jnp.where(keep, 0.0, jnp.exp2(e - ref) * n_vis)
+      # Key cut: weights below 2^-depth of R leave the numerator (their mass
+      # stays in l); a tile with no weight left is not read.
+      num = jnp.where(rel >= -spec.depth, p, 0.0)
+      vmask = vmask & _any2(num > 0.0)
     v = plgpu.load(v_ref.at[page, pl.ds(off, bk), h, :], mask=vmask,
                    other=0.0)
+    cdt = q.dtype
+    acc = acc + plgpu.dot(num.astype(cdt), v.astype(cdt), precision=precision)
     if spec.v8:
-      cdt = q.dtype
-      acc = acc + plgpu.dot(p.astype(cdt), v.astype(cdt), precision=precision)
-      rmask = kin[:, None] & load_r
+      # Residual plane only where the weight reaches 2^-v8_depth of R.
+      fine = jnp.where(rel >= -spec.v8_depth, num, 0.0)
+      rmask = kin[:, None] & _any2(fine > 0.0)
       vr = plgpu.load(vr_ref.at[page, pl.ds(off, bk), h, :], mask=rmask,
                       other=0.0)
-      pr = jnp.where(fine[:, None], p, 0.0)
-      acc = acc + plgpu.dot(pr.astype(cdt), vr.astype(cdt),
+      acc = acc + plgpu.dot(fine.astype(cdt), vr.astype(cdt),
                             precision=precision) * (2.0 ** -V8_RES_SHIFT)
-    else:
-      acc = acc + plgpu.dot(p.astype(v.dtype), v, precision=precision)
     return acc, l, m
 
   def chunk(c, carry):
@@ -467,8 +476,8 @@ def fold_decode(q, k_pages, v_pages, block_table, lengths, *, spec: DecodeSpec,
     k_pages, v_pages: [num_pages, page_size, heads_kv, d_pad].
     block_table: int32 [batch, max_pages]; lengths: int32 [batch].
     v_res, v_scale: the residual E4M3 plane and float32 [1] scale (v8).
-    summaries: (kmax, kmin, ksum, ksumsq) [num_pages, heads_kv, d_pad] (depth
-      or v8).
+    summaries: (kmax, kmin, ksum, ksumsq) [num_pages, heads_kv, d_pad]
+      (depth only).
     sinks: float32 [heads_q] or None.
     fallback: recompute rows whose maximum exceeds the declared reference by
       more than OVERFLOW_MARGIN (leave True; False is for tests).

@@ -17,7 +17,7 @@ from pallas_kernels.decode.config import DecodeBlocks, decode_blocks_for, \
     default_num_splits
 from pallas_kernels.decode.kernel import DecodeSpec, _pow2, fold_decode
 
-# Residual plane read for pages whose bound reaches R - V8_DEPTH.
+# v8: the residual plane serves keys whose weight reaches 2^-V8_DEPTH of R.
 DEFAULT_V8_DEPTH = 12
 
 
@@ -135,7 +135,7 @@ def paged_decode(q, k_pages, v_pages, block_table, lengths, *, page_size=None,
                    num_splits=num_splits, interpret=interpret,
                    compute_capability=compute_capability, blocks=blocks)
   if spec.summaries and summaries is None:
-    raise ValueError("depth / v8 decoding needs the page summaries.")
+    raise ValueError("depth decoding needs the page summaries.")
   qa = arrange_queries(q, hkv, spec.d_pad)
   out, ref = fold_decode(
       qa, k_pages, v_pages, jnp.asarray(block_table, jnp.int32),
