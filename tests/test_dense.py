@@ -297,13 +297,21 @@ def test_lowers_for_triton_on_cpu(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU")
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_gpu_matches_reference(dtype):
-  for case in ("causal_sq_gt_sk_masked_rows", "gqa4_window",
-               "sinks_softcap_scale", "segments", "head_dim_96"):
-    _check_against_reference(**CASES[case], dtype=dtype, backend="pallas")
+@pytest.mark.parametrize("case,dtype", [
+    ("gqa4_window", jnp.bfloat16),
+    ("sinks_softcap_scale", jnp.bfloat16),
+    ("segments", jnp.float32),
+    ("causal_sq_gt_sk_masked_rows", jnp.float16),
+])
+def test_gpu_matches_reference(case, dtype):
+  _check_against_reference(**CASES[case], dtype=dtype, backend="pallas")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU")
+def test_gpu_matches_reference_long_gqa():
   _check_against_reference(b=2, sq=1000, sk=1000, hq=8, hkv=2, d=128,
-                           dtype=dtype, causal=True, backend="pallas")
+                           dtype=jnp.bfloat16, causal=True, backend="pallas")
 
 
 @pytest.mark.gpu
