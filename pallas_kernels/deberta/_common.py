@@ -11,6 +11,14 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.deberta.config import KernelConfig
 
 
+def load(ref, mask=None, other=None):
+  """plgpu.load that drops `other` when there is no mask (Triton's lowering
+  rejects `other` without a mask)."""
+  if mask is None:
+    return plgpu.load(ref)
+  return plgpu.load(ref, mask=mask, other=other)
+
+
 def full_spec(shape):
   return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
 
@@ -57,10 +65,15 @@ def k_major_ranges(cfg: KernelConfig, k0, block_q: int, block_k: int, n_qt):
   return (("lo", jnp.int32(0), a), ("band", a, b), ("hi", b, n_qt))
 
 
-def run_ranges(ranges, n_full, step, carry):
+def run_ranges(cfg: KernelConfig, ranges, n_full, step, carry):
   """Runs step(tile, carry, kind, masked) over each range in order; tiles
-  >= n_full (partial or token-masked) take the masked variant."""
+  >= n_full (the partial last tile) take the load-masked variant."""
   for kind, lo, hi in ranges:
+    if not cfg.split_full_tiles:
+      carry = lax.fori_loop(
+          0, hi - lo,
+          lambda t, c, kind=kind, lo=lo: step(lo + t, c, kind, True), carry)
+      continue
     mid = jnp.clip(n_full, lo, hi)
     carry = lax.fori_loop(
         0, mid - lo,
@@ -80,8 +93,8 @@ def table_column_vec(cfg: KernelConfig, kind: str, ref, start, size: int,
   """float32 [size]: rows start.. of a table's saturated column (hi/lo)."""
   if ref is None or kind not in ("hi", "lo"):
     return None
-  return plgpu.load(ref.at[pl.ds(start, size), jnp.int32(sat_column(cfg, kind))],
-                    mask=mask, other=0.0).astype(jnp.float32)
+  return load(ref.at[pl.ds(start, size), jnp.int32(sat_column(cfg, kind))],
+              mask=mask, other=0.0).astype(jnp.float32)
 
 
 def band_columns(cfg: KernelConfig, q_pos, k_pos, k_major: bool):
@@ -116,13 +129,13 @@ def position_bias(cfg: KernelConfig, kind: str, *, slot_ref, c_ref, p_ref,
       bias = ka(p_sat) if bias is None else bias + ka(p_sat)
     return bias, None
   w = band_columns(cfg, q_pos, k_pos, k_major)
-  slot = plgpu.load(slot_ref.at[w])
+  slot = load(slot_ref.at[w])
   bias = None
   if cfg.c2p:
     rows = jnp.broadcast_to(qa(q_rows), w.shape)
-    bias = plgpu.load(c_ref.at[rows, slot]).astype(jnp.float32)
+    bias = load(c_ref.at[rows, slot]).astype(jnp.float32)
   if cfg.p2c:
     rows = jnp.broadcast_to(ka(k_rows), w.shape)
-    t = plgpu.load(p_ref.at[rows, slot]).astype(jnp.float32)
+    t = load(p_ref.at[rows, slot]).astype(jnp.float32)
     bias = t if bias is None else bias + t
   return bias, w

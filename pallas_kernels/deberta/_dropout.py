@@ -77,3 +77,22 @@ def keep_mask_dense(seed, q_seq, heads: int, q_pos, k_pos, rate: float):
   rh = row_hash(key, jnp.asarray(q_pos)[:, None, :])
   return keep(rh[..., None], jnp.asarray(k_pos)[:, None, None, :],
               threshold(rate))
+
+
+def keep_mask_padded(seed, heads: int, batch: int, seq: int, rate: float):
+  """bool [batch, heads, seq, seq]: the kernels' mask for a padded batch."""
+  pos = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
+  q_seq = jnp.broadcast_to(jnp.arange(batch, dtype=jnp.int32)[:, None],
+                           (batch, seq))
+  return keep_mask_dense(seed, q_seq, heads, pos, pos, rate)
+
+
+def keep_mask_varlen(seed, heads: int, cu_seqlens, total: int, rate: float):
+  """bool [1, heads, total, total]: the kernels' mask for a packed batch
+  (entries of pairs in different sequences are meaningless)."""
+  cu = jnp.asarray(cu_seqlens, jnp.int32)
+  t = jnp.arange(total, dtype=jnp.int32)
+  sid = jnp.clip(jnp.searchsorted(cu, t, side="right").astype(jnp.int32) - 1,
+                 0, cu.shape[0] - 2)
+  pos = t - cu[sid]
+  return keep_mask_dense(seed, sid[None], heads, pos[None], pos[None], rate)

@@ -38,7 +38,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -58,7 +57,7 @@ def band_dtype(dtype):
   return jnp.bfloat16 if jnp.dtype(dtype) == jnp.bfloat16 else jnp.float32
 
 
-def _unpack(cfg, refs, outs: int):
+def _unpack(cfg, refs):
   refs = list(refs)
   r = {}
   r["mask"] = refs.pop(0) if cfg.has_mask else None
@@ -66,18 +65,19 @@ def _unpack(cfg, refs, outs: int):
   r["q"], r["k"], r["v"] = refs.pop(0), refs.pop(0), refs.pop(0)
   r["c"] = refs.pop(0) if cfg.c2p else None
   r["p"] = refs.pop(0) if cfg.p2c else None
-  r["do"], r["lse"], r["delta"] = refs.pop(0), refs.pop(0), refs.pop(0)
+  # "last": `out` for the dQ kernel, D = rowsum(dO * O) for the dK/dV one.
+  r["do"], r["lse"], r["last"] = refs.pop(0), refs.pop(0), refs.pop(0)
   return r, refs
 
 
 def _dq_kernel(cu_ref, slot_ref, *refs, cfg: KernelConfig, block_q: int,
                block_k: int):
   """dq (float32, without the c2p band part) and the c2p band rows."""
-  r, rest = _unpack(cfg, refs, 0)
+  r, rest = _unpack(cfg, refs)
   if cfg.c2p:
-    _, dq_ref, band_ref = rest  # rest[0]: the band's aliased input
+    _, dq_ref, delta_ref, band_ref = rest  # rest[0]: the band's alias
   else:
-    (dq_ref,) = rest
+    dq_ref, delta_ref = rest
   q_ref, k_ref, v_ref = r["q"], r["k"], r["v"]
   q_blk, seq, head = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   off = cu_ref[seq]
@@ -97,13 +97,18 @@ def _dq_kernel(cu_ref, slot_ref, *refs, cfg: KernelConfig, block_q: int,
     q_rows = jnp.minimum(off + q_pos, total - 1)
     rows = pl.ds(off + q0, block_q)
     row_mask = mask_and(q_valid[:, None], head_mask)
-    q = plgpu.load(q_ref.at[rows, :], mask=row_mask, other=0.0)
-    do = plgpu.load(r["do"].at[rows, :], mask=row_mask, other=0.0)
-    lse2 = plgpu.load(r["lse"].at[rows], mask=q_valid, other=jnp.inf)
-    delta = plgpu.load(r["delta"].at[rows], mask=q_valid, other=0.0)
+    q = cm.load(q_ref.at[rows, :], mask=row_mask, other=0.0)
+    do = cm.load(r["do"].at[rows, :], mask=row_mask, other=0.0)
+    lse2 = cm.load(r["lse"].at[rows], mask=q_valid, other=jnp.inf)
+    # D_i = dO_i . O_i, computed here per tile (not by an XLA reduction,
+    # whose order may depend on the array's shape) and handed to the dK/dV
+    # kernel.
+    o = cm.load(r["last"].at[rows, :], mask=row_mask, other=0.0)
+    delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=1)
+    plgpu.store(delta_ref.at[rows], delta, mask=q_valid)
     mq = None
     if cfg.has_mask:
-      mq = plgpu.load(r["mask"].at[rows], mask=q_valid, other=0) != 0
+      mq = cm.load(r["mask"].at[rows], mask=q_valid, other=0) != 0
     c_vec = {}
     if cfg.c2p:
       for kind in ("hi", "lo"):
@@ -114,7 +119,7 @@ def _dq_kernel(cu_ref, slot_ref, *refs, cfg: KernelConfig, block_q: int,
       row_h = _dropout.row_hash(
           _dropout.program_key(r["seed"][0], seq, head), q_pos)
     n_kt = cm.cdiv(n, block_k)
-    n_full = jnp.int32(0) if cfg.has_mask else lax.div(n, block_k)
+    n_full = lax.div(n, block_k)
 
     def step(k_blk, carry, kind, masked):
       dq, sat_lo, sat_hi = carry
@@ -122,9 +127,9 @@ def _dq_kernel(cu_ref, slot_ref, *refs, cfg: KernelConfig, block_q: int,
       k_pos = k0 + jnp.arange(block_k, dtype=jnp.int32)
       k_valid = k_pos < n
       kv_mask = mask_and(k_valid[:, None] if masked else None, head_mask)
-      k = plgpu.load(k_ref.at[pl.ds(off + k0, block_k), :], mask=kv_mask,
+      k = cm.load(k_ref.at[pl.ds(off + k0, block_k), :], mask=kv_mask,
                      other=0.0)
-      v = plgpu.load(v_ref.at[pl.ds(off + k0, block_k), :], mask=kv_mask,
+      v = cm.load(v_ref.at[pl.ds(off + k0, block_k), :], mask=kv_mask,
                      other=0.0)
       s = plgpu.dot(q, k, trans_b=True, precision=precision)
       bias, w = cm.position_bias(
@@ -137,13 +142,15 @@ def _dq_kernel(cu_ref, slot_ref, *refs, cfg: KernelConfig, block_q: int,
       if bias is not None:
         s = s + bias
       p = jnp.exp2(s * scale_log2 - lse2[:, None])
-      if masked:
-        vis = k_valid[None, :]
-        if cfg.has_mask:
-          mk = plgpu.load(r["mask"].at[pl.ds(off + k0, block_k)],
-                          mask=k_valid, other=0) != 0
-          vis = vis & mk[None, :] & mq[:, None]
-        p = jnp.where(vis, p, 0.0)
+      # The select runs on every tile (`masked` only adds load masks): the
+      # same float operations everywhere, so padded and packed batches give
+      # the same bits.
+      vis = k_valid[None, :]
+      if cfg.has_mask:
+        mk = cm.load(r["mask"].at[pl.ds(off + k0, block_k)],
+                     mask=k_valid, other=0) != 0
+        vis = vis & mk[None, :] & mq[:, None]
+      p = jnp.where(vis, p, 0.0)
       dp = plgpu.dot(do, v, trans_b=True, precision=precision)
       if cfg.has_dropout:
         keep = _dropout.keep(row_h[:, None], k_pos[None, :],
@@ -161,7 +168,9 @@ def _dq_kernel(cu_ref, slot_ref, *refs, cfg: KernelConfig, block_q: int,
           at_hi = w == g.width - 1
           sat_lo = sat_lo + jnp.sum(jnp.where(at_lo, ds, 0.0), axis=1)
           sat_hi = sat_hi + jnp.sum(jnp.where(at_hi, ds, 0.0), axis=1)
-          st_rows = jnp.broadcast_to(q_rows[:, None], w.shape)
+          # Unclamped rows: a masked-out lane never aliases a stored one
+          # (interpret mode writes masked lanes back with their old value).
+          st_rows = jnp.broadcast_to((off + q_pos)[:, None], w.shape)
           plgpu.store(band_ref.at[st_rows, w], ds.astype(band_ref.dtype),
                       mask=~(at_lo | at_hi) & q_valid[:, None])
       return dq, sat_lo, sat_hi
@@ -169,7 +178,7 @@ def _dq_kernel(cu_ref, slot_ref, *refs, cfg: KernelConfig, block_q: int,
     zeros = jnp.zeros((block_q,), jnp.float32)
     carry = (jnp.zeros((block_q, d_pad), jnp.float32), zeros, zeros)
     ranges = cm.q_major_ranges(cfg, q0, block_q, block_k, n_kt)
-    dq, sat_lo, sat_hi = cm.run_ranges(ranges, n_full, step, carry)
+    dq, sat_lo, sat_hi = cm.run_ranges(cfg, ranges, n_full, step, carry)
     plgpu.store(dq_ref.at[rows, :], dq, mask=row_mask)
     if cfg.c2p:
       plgpu.store(band_ref.at[rows, jnp.int32(0)],
@@ -181,7 +190,7 @@ def _dq_kernel(cu_ref, slot_ref, *refs, cfg: KernelConfig, block_q: int,
 def _dkdv_kernel(cu_ref, slot_ref, *refs, cfg: KernelConfig, block_q: int,
                  block_k: int):
   """dk (float32, without the p2c band part), dv and the p2c band rows."""
-  r, rest = _unpack(cfg, refs, 0)
+  r, rest = _unpack(cfg, refs)
   if cfg.p2c:
     _, dk_ref, dv_ref, band_ref = rest
   else:
@@ -205,11 +214,11 @@ def _dkdv_kernel(cu_ref, slot_ref, *refs, cfg: KernelConfig, block_q: int,
     k_rows = jnp.minimum(off + k_pos, total - 1)
     krows = pl.ds(off + k0, block_k)
     kv_mask = mask_and(k_valid[:, None], head_mask)
-    k = plgpu.load(k_ref.at[krows, :], mask=kv_mask, other=0.0)
-    v = plgpu.load(v_ref.at[krows, :], mask=kv_mask, other=0.0)
+    k = cm.load(k_ref.at[krows, :], mask=kv_mask, other=0.0)
+    v = cm.load(v_ref.at[krows, :], mask=kv_mask, other=0.0)
     mk = None
     if cfg.has_mask:
-      mk = plgpu.load(r["mask"].at[krows], mask=k_valid, other=0) != 0
+      mk = cm.load(r["mask"].at[krows], mask=k_valid, other=0) != 0
     p_vec = {}
     if cfg.p2c:
       for kind in ("hi", "lo"):
@@ -219,7 +228,7 @@ def _dkdv_kernel(cu_ref, slot_ref, *refs, cfg: KernelConfig, block_q: int,
     if cfg.has_dropout:
       key = _dropout.program_key(r["seed"][0], seq, head)
     n_qt = cm.cdiv(n, block_q)
-    n_full = jnp.int32(0) if cfg.has_mask else lax.div(n, block_q)
+    n_full = lax.div(n, block_q)
 
     def step(q_blk, carry, kind, masked):
       dk, dv, sat_lo, sat_hi = carry
@@ -230,10 +239,10 @@ def _dkdv_kernel(cu_ref, slot_ref, *refs, cfg: KernelConfig, block_q: int,
       row_valid = q_valid if masked else None
       row_mask = mask_and(None if row_valid is None else row_valid[:, None],
                           head_mask)
-      q = plgpu.load(q_ref.at[rows, :], mask=row_mask, other=0.0)
-      do = plgpu.load(r["do"].at[rows, :], mask=row_mask, other=0.0)
-      lse2 = plgpu.load(r["lse"].at[rows], mask=row_valid, other=jnp.inf)
-      delta = plgpu.load(r["delta"].at[rows], mask=row_valid, other=0.0)
+      q = cm.load(q_ref.at[rows, :], mask=row_mask, other=0.0)
+      do = cm.load(r["do"].at[rows, :], mask=row_mask, other=0.0)
+      lse2 = cm.load(r["lse"].at[rows], mask=row_valid, other=jnp.inf)
+      delta = cm.load(r["last"].at[rows], mask=row_valid, other=0.0)
       s_t = plgpu.dot(k, q, trans_b=True, precision=precision)
       bias, w = cm.position_bias(
           cfg, kind, slot_ref=slot_ref, c_ref=r["c"], p_ref=r["p"],
@@ -245,12 +254,11 @@ def _dkdv_kernel(cu_ref, slot_ref, *refs, cfg: KernelConfig, block_q: int,
       if bias is not None:
         s_t = s_t + bias
       p_t = jnp.exp2(s_t * scale_log2 - lse2[None, :])
-      if masked:
-        vis = q_valid[None, :] & k_valid[:, None]
-        if cfg.has_mask:
-          mq = plgpu.load(r["mask"].at[rows], mask=q_valid, other=0) != 0
-          vis = vis & mq[None, :] & mk[:, None]
-        p_t = jnp.where(vis, p_t, 0.0)
+      vis = q_valid[None, :] & k_valid[:, None]
+      if cfg.has_mask:
+        mq = cm.load(r["mask"].at[rows], mask=q_valid, other=0) != 0
+        vis = vis & mq[None, :] & mk[:, None]
+      p_t = jnp.where(vis, p_t, 0.0)
       dp_t = plgpu.dot(v, do, trans_b=True, precision=precision)
       pv_t = p_t
       if cfg.has_dropout:
@@ -272,7 +280,7 @@ def _dkdv_kernel(cu_ref, slot_ref, *refs, cfg: KernelConfig, block_q: int,
           at_hi = w == g.width - 1
           sat_lo = sat_lo + jnp.sum(jnp.where(at_lo, ds_t, 0.0), axis=1)
           sat_hi = sat_hi + jnp.sum(jnp.where(at_hi, ds_t, 0.0), axis=1)
-          st_rows = jnp.broadcast_to(k_rows[:, None], w.shape)
+          st_rows = jnp.broadcast_to((off + k_pos)[:, None], w.shape)
           plgpu.store(band_ref.at[st_rows, w], ds_t.astype(band_ref.dtype),
                       mask=~(at_lo | at_hi) & k_valid[:, None])
       return dk, dv, sat_lo, sat_hi
@@ -280,7 +288,7 @@ def _dkdv_kernel(cu_ref, slot_ref, *refs, cfg: KernelConfig, block_q: int,
     zeros = jnp.zeros((block_k,), jnp.float32)
     zd = jnp.zeros((block_k, d_pad), jnp.float32)
     ranges = cm.k_major_ranges(cfg, k0, block_q, block_k, n_qt)
-    dk, dv, sat_lo, sat_hi = cm.run_ranges(ranges, n_full, step,
+    dk, dv, sat_lo, sat_hi = cm.run_ranges(cfg, ranges, n_full, step,
                                            (zd, zd, zeros, zeros))
     plgpu.store(dk_ref.at[krows, :], dk, mask=kv_mask)
     plgpu.store(dv_ref.at[krows, :], dv.astype(dv_ref.dtype), mask=kv_mask)
@@ -305,9 +313,9 @@ def _band_kernel(band_ref, tab_ref, out_ref, *, block_rows: int,
   def step(c, acc):
     c0 = c * block_cols
     c_valid = (c0 + jnp.arange(block_cols)) < width
-    x = plgpu.load(band_ref.at[rows, pl.ds(c0, block_cols)],
+    x = cm.load(band_ref.at[rows, pl.ds(c0, block_cols)],
                    mask=r_valid[:, None] & c_valid[None, :], other=0.0)
-    t = plgpu.load(tab_ref.at[pl.ds(c0, block_cols), :],
+    t = cm.load(tab_ref.at[pl.ds(c0, block_cols), :],
                    mask=mask_and(c_valid[:, None], head_mask), other=0.0)
     return acc + plgpu.dot(x, t, precision=precision)
 
@@ -361,15 +369,10 @@ def disentangled_backward(q, k, v, pos_key, pos_query, c2p_table, p2c_table,
   num_seqs = cu_seqlens.shape[0] - 1
   d_pad = head_dim_pad(head_dim)
   g = cfg.geometry
-  slot_np = g.slot_table()
-  slot = jnp.asarray(slot_np)
-  seq_of = jnp.searchsorted(cu_seqlens, jnp.arange(total, dtype=jnp.int32),
-                            side="right") - 1
+  slot = jnp.asarray(g.slot_table())
   in_seq = jnp.arange(total) < cu_seqlens[-1]
-  delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1).T
-  delta = jnp.where(in_seq[None, :], delta, 0.0)
   lse2 = jnp.where(in_seq[None, :], lse2, jnp.inf)
-  del seq_of
+  f32 = jnp.float32
 
   full = cm.full_spec
   tok = pl.BlockSpec((total, None, d_pad), lambda i, s, h: (0, h, 0))
@@ -392,48 +395,50 @@ def disentangled_backward(q, k, v, pos_key, pos_query, c2p_table, p2c_table,
   if cfg.p2c:
     in_specs.append(tab)
     args.append(p2c_table)
-  in_specs += [tok, row, row]
-  args += [do, lse2, delta]
+  in_specs += [tok, row]
+  args += [do, lse2]
   bdt = band_dtype(q.dtype)
 
-  def call(kernel, blk, n_tiles_len, extra_out, band_needed, name):
-    specs, a = list(in_specs), list(args)
-    out_specs, out_shape, aliases = [], [], {}
+  def call(kernel, blk, tile, last_in, outs, band_needed, name):
+    """outs: [(spec, shape, dtype)]; the band (if any) comes last."""
+    specs, a = in_specs + [last_in[0]], args + [last_in[1]]
+    out_specs = [o[0] for o in outs]
+    out_shape = [jax.ShapeDtypeStruct(o[1], o[2]) for o in outs]
+    aliases = {}
     if band_needed:
       specs.append(bnd)
       a.append(jnp.zeros((total, heads, g.width), bdt))
-      aliases = {len(a) - 1: len(extra_out)}
-    for shp, dt in extra_out:
-      out_specs.append(tok)
-      out_shape.append(jax.ShapeDtypeStruct(shp, dt))
-    if band_needed:
+      aliases = {len(a) - 1: len(outs)}
       out_specs.append(bnd)
       out_shape.append(jax.ShapeDtypeStruct((total, heads, g.width), bdt))
     return pl.pallas_call(
         functools.partial(kernel, cfg=cfg, block_q=blk.block_q,
                           block_k=blk.block_k),
-        grid=(pl.cdiv(max_seqlen, n_tiles_len(blk)), num_seqs, heads),
+        grid=(pl.cdiv(max_seqlen, tile), num_seqs, heads),
         in_specs=specs, out_specs=out_specs, out_shape=out_shape,
         input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=blk.num_warps,
                                              num_stages=blk.num_stages),
         interpret=interpret, name=name)(*a)
 
-  f32 = jnp.float32
-  outs = call(_dkdv_kernel, blocks.bwd_kv, lambda b: b.block_k,
-              [(k.shape, f32), (v.shape, v.dtype)], cfg.p2c,
-              "fold_deberta_backward_dkdv")
+  # dQ first: it also computes D = rowsum(dO * O), which the dK/dV kernel
+  # reads.
+  outs = call(_dq_kernel, blocks.bwd_q, blocks.bwd_q.block_q, (tok, out),
+              [(tok, q.shape, f32), (row, (heads, total), f32)], cfg.c2p,
+              "fold_deberta_backward_dq")
+  dq, delta = outs[0], outs[1]
+  band_c = outs[2] if cfg.c2p else None
+  delta = jnp.where(in_seq[None, :], delta, 0.0)  # unwritten rows
+  outs = call(_dkdv_kernel, blocks.bwd_kv, blocks.bwd_kv.block_k,
+              (row, delta), [(tok, k.shape, f32), (tok, v.shape, v.dtype)],
+              cfg.p2c, "fold_deberta_backward_dkdv")
   dk, dv = outs[0], outs[1]
   band_p = outs[2] if cfg.p2c else None
-  outs = call(_dq_kernel, blocks.bwd_q, lambda b: b.block_q,
-              [(q.shape, f32)], cfg.c2p, "fold_deberta_backward_dq")
-  dq = outs[0]
-  band_c = outs[1] if cfg.c2p else None
 
   precise = jnp.dtype(q.dtype) == jnp.float32
   band_precision = _HIGHEST if precise else None
-  onehot = jnp.asarray(slot_np[:, None] == np.arange(g.slots)[None, :],
-                       f32)  # [width, 2*span]
+  onehot = (slot[:, None] == jnp.arange(g.slots, dtype=jnp.int32)[None, :]
+            ).astype(f32)  # [width, 2*span]
   dpos_key = dpos_query = None
   if cfg.c2p:
     kband = pos_key[slot].astype(bdt)  # [width, heads, d]

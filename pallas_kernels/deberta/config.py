@@ -33,6 +33,11 @@ class KernelConfig:
   has_mask: bool  # factorised token padding mask
   dropout_rate: float  # 0.0: off
   head_dim: int
+  # Run full tiles (inside the sequence) without load masks. Only load
+  # masks differ between the variants (the float operations are the same),
+  # so the bits do not depend on it; interpret mode turns it off to halve
+  # the traced loop bodies (compile time).
+  split_full_tiles: bool = True
 
   @property
   def n_terms(self) -> int:

@@ -15,7 +15,7 @@ Score of (i, j), in base 2:
   (q_i . k_j + c2p[i, slot(i - j)] + p2c[j, slot(i - j)]) * log2(e) / c
 with c = sqrt(head_dim * n_terms). The two tables are [*, L, 2*span] GEMMs
 done by XLA; the kernel gathers from them per tile with pointer tensors
-(`plgpu.load(ref.at[rows_2d, cols_2d])`, an int-array NDIndexer that Pallas'
+(`cm.load(ref.at[rows_2d, cols_2d])`, an int-array NDIndexer that Pallas'
 Triton lowering turns into one `tt.load` of a pointer tensor).
 
 Grid: (query tiles of the longest sequence, num_seqs, heads). A program owns
@@ -70,16 +70,16 @@ def _forward_kernel(cu_ref, slot_ref, *refs, cfg: KernelConfig, block_q: int,
     q_pos = q0 + jnp.arange(block_q, dtype=jnp.int32)
     q_valid = q_pos < n
     q_rows = jnp.minimum(off + q_pos, total - 1)
-    q = plgpu.load(q_ref.at[pl.ds(off + q0, block_q), :],
+    q = cm.load(q_ref.at[pl.ds(off + q0, block_q), :],
                    mask=mask_and(q_valid[:, None], head_mask), other=0.0)
     mq = None
     if cfg.has_mask:
-      mq = plgpu.load(mask_ref.at[pl.ds(off + q0, block_q)], mask=q_valid,
+      mq = cm.load(mask_ref.at[pl.ds(off + q0, block_q)], mask=q_valid,
                       other=0) != 0
     c_vec = {}
     if cfg.c2p:
       for kind, col in (("hi", g.slots - 1), ("lo", 0)):
-        c_vec[kind] = plgpu.load(
+        c_vec[kind] = cm.load(
             c_ref.at[pl.ds(off + q0, block_q), jnp.int32(col)], mask=q_valid,
             other=0.0).astype(jnp.float32)
     row_h = None
@@ -88,7 +88,7 @@ def _forward_kernel(cu_ref, slot_ref, *refs, cfg: KernelConfig, block_q: int,
       row_h = _dropout.row_hash(key, q_pos)
 
     n_kt = cm.cdiv(n, block_k)
-    n_full = jnp.int32(0) if cfg.has_mask else lax.div(n, block_k)
+    n_full = lax.div(n, block_k)
 
     def step(k_blk, carry, kind, masked):
       acc, m_prev, l_prev = carry
@@ -96,7 +96,7 @@ def _forward_kernel(cu_ref, slot_ref, *refs, cfg: KernelConfig, block_q: int,
       k_pos = k0 + jnp.arange(block_k, dtype=jnp.int32)
       k_valid = k_pos < n
       kv_mask = mask_and(k_valid[:, None] if masked else None, head_mask)
-      k = plgpu.load(k_ref.at[pl.ds(off + k0, block_k), :], mask=kv_mask,
+      k = cm.load(k_ref.at[pl.ds(off + k0, block_k), :], mask=kv_mask,
                      other=0.0)
       s = plgpu.dot(q, k, trans_b=True, precision=precision)
       bias, _ = cm.position_bias(
@@ -108,19 +108,18 @@ def _forward_kernel(cu_ref, slot_ref, *refs, cfg: KernelConfig, block_q: int,
           k_major=False)
       if bias is not None:
         s = s + bias
+      # Every tile runs the same float operations (the select is applied
+      # even where nothing is masked; `masked` only drops load masks), so a
+      # padded batch and its packed form give the same bits.
+      vis = k_valid[None, :]
+      if cfg.has_mask:
+        mk = cm.load(mask_ref.at[pl.ds(off + k0, block_k)],
+                     mask=k_valid, other=0) != 0
+        vis = vis & mk[None, :] & mq[:, None]
+      s = jnp.where(vis, s, -jnp.inf)
       s = s * scale_log2
-      if masked:
-        vis = k_valid[None, :]
-        if cfg.has_mask:
-          mk = plgpu.load(mask_ref.at[pl.ds(off + k0, block_k)],
-                          mask=k_valid, other=0) != 0
-          vis = vis & mk[None, :] & mq[:, None]
-        s = jnp.where(vis, s, -jnp.inf)
       m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
-      if masked:
-        m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
-      else:
-        m_safe = m_next
+      m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
       alpha = jnp.exp2(m_prev - m_safe)
       p = jnp.exp2(s - m_safe[:, None])
       l_next = l_prev * alpha + jnp.sum(p, axis=1)
@@ -128,7 +127,7 @@ def _forward_kernel(cu_ref, slot_ref, *refs, cfg: KernelConfig, block_q: int,
         keep = _dropout.keep(row_h[:, None], k_pos[None, :],
                              _dropout.threshold(cfg.dropout_rate))
         p = jnp.where(keep, p * cfg.keep_scale, 0.0)
-      v = plgpu.load(v_ref.at[pl.ds(off + k0, block_k), :], mask=kv_mask,
+      v = cm.load(v_ref.at[pl.ds(off + k0, block_k), :], mask=kv_mask,
                      other=0.0)
       acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v,
                                              precision=precision)
@@ -138,7 +137,7 @@ def _forward_kernel(cu_ref, slot_ref, *refs, cfg: KernelConfig, block_q: int,
              jnp.full((block_q,), -jnp.inf, jnp.float32),
              jnp.zeros((block_q,), jnp.float32))
     ranges = cm.q_major_ranges(cfg, q0, block_q, block_k, n_kt)
-    acc, m, l = cm.run_ranges(ranges, n_full, step, carry)
+    acc, m, l = cm.run_ranges(cfg, ranges, n_full, step, carry)
     seen = l > 0.0
     l_safe = jnp.where(seen, l, 1.0)
     out = acc / l_safe[:, None]

@@ -32,11 +32,12 @@ or 64 splits give identical bits, and so do any batch and any page placement
 (the same program code runs on the same values).
 
 Safety: weights are 2^(s - R) with R <= M; they overflow float32 only if
-M - R > ~100. The combine checks M - R <= 64 per row (M from the chunk maxima,
-exact). A row that fails is recomputed with R := M (a second pass, under
-`lax.cond`, only when some row failed); rows that passed keep their R and
-therefore their bits. The flag depends only on the row's own data, so the
-invariances hold through the fallback.
+M - R > ~100. The combine kernel checks M - R <= 64 per row (M from the chunk
+maxima, exact). When a row fails, that (sequence, KV head) program recomputes
+its chunks in place with R := M for the failing rows (same code, same order;
+rare, and no host round trip); rows that passed keep their R and therefore
+their bits. The check depends only on the row's own data, so the invariances
+hold through the fallback.
 
 depth (optional), with w_j = 2^(s_j - R) a key's weight against the declared
 reference:
@@ -250,105 +251,136 @@ def _page_stats(spec: DecodeSpec, qf, sum_refs, page, h, count):
 
 
 # ----------------------------------------------------------------------------
+# One chunk's partials, shared by both kernels
+# ----------------------------------------------------------------------------
+class _Program:
+  """The refs and per-program values of one (sequence, KV head) program."""
+
+  def __init__(self, spec: DecodeSpec, refs: list, b, h):
+    self.spec = spec
+    (self.len_ref, self.bt_ref, self.q_ref, self.k_ref,
+     self.v_ref) = refs[:5]
+    refs = list(refs[5:])
+    self.vr_ref = refs.pop(0) if spec.v8 else None
+    self.sum_refs = (tuple(refs.pop(0) for _ in range(4))
+                     if spec.summaries else None)
+    self.sinks_ref = refs.pop(0) if spec.has_sinks else None
+    self.b, self.h = b, h
+    self.hi = self.len_ref[b]
+    self.lo = _window(spec, self.hi)
+    self.rows = _Rows(spec, self.hi)
+    self.q = plgpu.load(self.q_ref.at[b, h])
+    self.qf = self.q.astype(jnp.float32)
+    self.row_ids = jnp.arange(spec.rows_pad, dtype=jnp.int32)
+    cs = spec.chunk_tokens
+    self.c_lo = self.lo // cs
+    self.c_hi = lax.div(self.hi + cs - 1, cs)
+
+  def sink2(self):
+    g = self.spec.group
+    return plgpu.load(self.sinks_ref.at[self.h * g + self.row_ids % g]) * LOG2E
+
+  def declared_reference(self):
+    spec = self.spec
+    ref = _declared_reference(spec, self.q, self.k_ref, self.bt_ref, self.b,
+                              self.h, self.hi, self.lo, self.rows)
+    if spec.has_sinks:
+      ref = jnp.maximum(ref, self.sink2())
+    return jnp.where(ref == -jnp.inf, 0.0, ref)
+
+  def zeros(self):
+    spec = self.spec
+    return (jnp.zeros((spec.rows_pad, spec.d_pad), jnp.float32),
+            jnp.zeros((spec.rows_pad,), jnp.float32),
+            jnp.full((spec.rows_pad,), -jnp.inf, jnp.float32))
+
+  def chunk_partial(self, c, ref):
+    """(acc, l, m) of chunk c against the reference `ref` (base 2)."""
+    spec, rows, b, h, hi = self.spec, self.rows, self.b, self.h, self.hi
+    s, bk, cs = spec.page_size, spec.block_k, spec.chunk_tokens
+    q, qf = self.q, self.qf
+    precision = _dot_precision(q.dtype)
+    kiota = jnp.arange(bk, dtype=jnp.int32)
+
+    def tile(t, carry):
+      acc, l, m = carry
+      k0 = t * bk
+      page = self.bt_ref[b, k0 // s]
+      off = k0 % s
+      kpos = k0 + kiota
+      kin = kpos < hi
+      vis = rows.visible(kpos, hi)
+      use = vis
+      kmask = kin[:, None]
+      if spec.depth is not None:
+        # Page cut: a page whose bound is below R - depth is not read; its
+        # mass enters the denominator as an estimate.
+        count = jnp.minimum(hi - (k0 // s) * s, s)
+        u, e = _page_stats(spec, qf, self.sum_refs, page, h, count)
+        keep = u >= ref - spec.depth
+        use = vis & keep[:, None]
+        kmask = kmask & _any(keep & rows.ok)
+      k = plgpu.load(self.k_ref.at[page, pl.ds(off, bk), h, :], mask=kmask,
+                     other=0.0)
+      sc = _scores(spec, plgpu.dot(q, k, trans_b=True, precision=precision))
+      m = jnp.maximum(m, jnp.max(jnp.where(use, sc, -jnp.inf), axis=1))
+      rel = sc - ref[:, None]
+      p = jnp.where(use, jnp.exp2(rel), 0.0)
+      l = l + jnp.sum(p, axis=1)
+      num = p
+      vmask = kin[:, None]
+      if spec.depth is not None:
+        n_vis = jnp.sum(vis.astype(jnp.float32), axis=1)
+        l = l + jnp.where(keep, 0.0, jnp.exp2(e - ref) * n_vis)
+        # Key cut: weights below 2^-depth of R leave the numerator (their
+        # mass stays in l); a tile with no weight left is not read.
+        num = jnp.where(rel >= -spec.depth, p, 0.0)
+        vmask = vmask & _any2(num > 0.0)
+      v = plgpu.load(self.v_ref.at[page, pl.ds(off, bk), h, :], mask=vmask,
+                     other=0.0)
+      cdt = q.dtype
+      acc = acc + plgpu.dot(num.astype(cdt), v.astype(cdt),
+                            precision=precision)
+      if spec.v8:
+        # Residual plane only where the weight reaches 2^-v8_depth of R.
+        fine = jnp.where(rel >= -spec.v8_depth, num, 0.0)
+        rmask = kin[:, None] & _any2(fine > 0.0)
+        vr = plgpu.load(self.vr_ref.at[page, pl.ds(off, bk), h, :],
+                        mask=rmask, other=0.0)
+        acc = acc + plgpu.dot(fine.astype(cdt), vr.astype(cdt),
+                              precision=precision) * (2.0 ** -V8_RES_SHIFT)
+      return acc, l, m
+
+    t_lo = jnp.maximum(c * cs, self.lo) // bk
+    t_hi = lax.div(jnp.minimum((c + 1) * cs, hi) + bk - 1, bk)
+    return lax.fori_loop(t_lo, t_hi, tile, self.zeros())
+
+
+# ----------------------------------------------------------------------------
 # Kernel 1: one program per (sequence, KV head, split)
 # ----------------------------------------------------------------------------
-def _split_kernel(len_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
-                  spec: DecodeSpec):
-  refs = list(refs)
-  vr_ref = refs.pop(0) if spec.v8 else None
-  sum_refs = tuple(refs.pop(0) for _ in range(4)) if spec.summaries else None
-  sinks_ref = refs.pop(0) if spec.has_sinks else None
-  ovr_ref, acc_ref, l_ref, m_ref, r_ref = refs
-
+def _split_kernel(*refs, spec: DecodeSpec, n_in: int):
   b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  hi = len_ref[b]
-  lo = _window(spec, hi)
-  rows = _Rows(spec, hi)
-  q = plgpu.load(q_ref.at[b, h])
-  qf = q.astype(jnp.float32)
-  precision = _dot_precision(q.dtype)
-  row_ids = jnp.arange(spec.rows_pad, dtype=jnp.int32)
-
-  ref = _declared_reference(spec, q, k_ref, bt_ref, b, h, hi, lo, rows)
-  if spec.has_sinks:
-    sink2 = plgpu.load(sinks_ref.at[h * spec.group + row_ids % spec.group])
-    ref = jnp.maximum(ref, sink2 * LOG2E)
-  ref = jnp.where(ref == -jnp.inf, 0.0, ref)
-  ovr = plgpu.load(ovr_ref.at[b, h])
-  ref = jnp.where(jnp.isnan(ovr), ref, ovr)  # the fallback pass's R := M
+  prog = _Program(spec, list(refs[:n_in]), b, h)
+  acc_ref, l_ref, m_ref, r_ref = refs[n_in:]
+  ref = prog.declared_reference()
 
   @pl.when(split == 0)
   def _():
     plgpu.store(r_ref.at[b, h], ref)
 
-  s, bk, cs = spec.page_size, spec.block_k, spec.chunk_tokens
-  c_lo = lo // cs
-  c_hi = lax.div(hi + cs - 1, cs)
-  per = lax.div(jnp.maximum(c_hi - c_lo, 0) + spec.n_splits - 1, spec.n_splits)
-  c0 = c_lo + split * per
-  c1 = jnp.minimum(c0 + per, c_hi)
-  kiota = jnp.arange(bk, dtype=jnp.int32)
-
-  def tile(t, carry):
-    acc, l, m = carry
-    k0 = t * bk
-    page = bt_ref[b, k0 // s]
-    off = k0 % s
-    kpos = k0 + kiota
-    kin = kpos < hi
-    vis = rows.visible(kpos, hi)
-    use = vis
-    kmask = kin[:, None]
-    if spec.depth is not None:
-      # Page cut: a page whose bound is below R - depth is not read; its mass
-      # enters the denominator as an estimate.
-      count = jnp.minimum(hi - (k0 // s) * s, s)
-      u, e = _page_stats(spec, qf, sum_refs, page, h, count)
-      keep = u >= ref - spec.depth
-      use = vis & keep[:, None]
-      kmask = kmask & _any(keep & rows.ok)
-    k = plgpu.load(k_ref.at[page, pl.ds(off, bk), h, :], mask=kmask,
-                   other=0.0)
-    sc = _scores(spec, plgpu.dot(q, k, trans_b=True, precision=precision))
-    m = jnp.maximum(m, jnp.max(jnp.where(use, sc, -jnp.inf), axis=1))
-    rel = sc - ref[:, None]
-    p = jnp.where(use, jnp.exp2(rel), 0.0)
-    l = l + jnp.sum(p, axis=1)
-    num = p
-    vmask = kin[:, None]
-    if spec.depth is not None:
-      n_vis = jnp.sum(vis.astype(jnp.float32), axis=1)
-      l = l + jnp.where(keep, 0.0, jnp.exp2(e - ref) * n_vis)
-      # Key cut: weights below 2^-depth of R leave the numerator (their mass
-      # stays in l); a tile with no weight left is not read.
-      num = jnp.where(rel >= -spec.depth, p, 0.0)
-      vmask = vmask & _any2(num > 0.0)
-    v = plgpu.load(v_ref.at[page, pl.ds(off, bk), h, :], mask=vmask,
-                   other=0.0)
-    cdt = q.dtype
-    acc = acc + plgpu.dot(num.astype(cdt), v.astype(cdt), precision=precision)
-    if spec.v8:
-      # Residual plane only where the weight reaches 2^-v8_depth of R.
-      fine = jnp.where(rel >= -spec.v8_depth, num, 0.0)
-      rmask = kin[:, None] & _any2(fine > 0.0)
-      vr = plgpu.load(vr_ref.at[page, pl.ds(off, bk), h, :], mask=rmask,
-                      other=0.0)
-      acc = acc + plgpu.dot(fine.astype(cdt), vr.astype(cdt),
-                            precision=precision) * (2.0 ** -V8_RES_SHIFT)
-    return acc, l, m
+  per = lax.div(jnp.maximum(prog.c_hi - prog.c_lo, 0) + spec.n_splits - 1,
+                spec.n_splits)
+  c0 = prog.c_lo + split * per
+  c1 = jnp.minimum(c0 + per, prog.c_hi)
+  rmask = prog.row_ids < spec.rows_store
+  rows = pl.ds(0, spec.rows_pad)
 
   def chunk(c, carry):
-    t_lo = jnp.maximum(c * cs, lo) // bk
-    t_hi = lax.div(jnp.minimum((c + 1) * cs, hi) + bk - 1, bk)
-    init = (jnp.zeros((spec.rows_pad, spec.d_pad), jnp.float32),
-            jnp.zeros((spec.rows_pad,), jnp.float32),
-            jnp.full((spec.rows_pad,), -jnp.inf, jnp.float32))
-    acc, l, m = lax.fori_loop(t_lo, t_hi, tile, init)
-    rmask = row_ids < spec.rows_store
-    plgpu.store(acc_ref.at[b, h, c, pl.ds(0, spec.rows_pad), :], acc,
-                mask=rmask[:, None])
-    plgpu.store(l_ref.at[b, h, c, pl.ds(0, spec.rows_pad)], l, mask=rmask)
-    plgpu.store(m_ref.at[b, h, c, pl.ds(0, spec.rows_pad)], m, mask=rmask)
+    acc, l, m = prog.chunk_partial(c, ref)
+    plgpu.store(acc_ref.at[b, h, c, rows, :], acc, mask=rmask[:, None])
+    plgpu.store(l_ref.at[b, h, c, rows], l, mask=rmask)
+    plgpu.store(m_ref.at[b, h, c, rows], m, mask=rmask)
     return carry
 
   lax.fori_loop(c0, jnp.maximum(c1, c0), chunk, jnp.int32(0))
@@ -357,112 +389,61 @@ def _split_kernel(len_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
 # ----------------------------------------------------------------------------
 # Kernel 2: one program per (sequence, KV head): the fixed-order sum
 # ----------------------------------------------------------------------------
-def _combine_kernel(len_ref, acc_ref, l_ref, m_ref, r_ref, *refs,
-                    spec: DecodeSpec):
-  refs = list(refs)
-  vscale_ref = refs.pop(0) if spec.v8 else None
-  sinks_ref = refs.pop(0) if spec.has_sinks else None
-  out_ref, flag_ref, mx_ref = refs
+def _combine_kernel(*refs, spec: DecodeSpec, n_in: int, fallback: bool):
   b, h = pl.program_id(0), pl.program_id(1)
-  hi = len_ref[b]
-  lo = _window(spec, hi)
-  cs = spec.chunk_tokens
-  c_lo = lo // cs
-  c_hi = lax.div(hi + cs - 1, cs)
-  row_ids = jnp.arange(spec.rows_pad, dtype=jnp.int32)
-  rmask = row_ids < spec.rows_store
+  prog = _Program(spec, list(refs[:n_in]), b, h)
+  extra = list(refs[n_in:])
+  vscale_ref = extra.pop(0) if spec.v8 else None
+  acc_ref, l_ref, m_ref, r_ref, out_ref, used_ref = extra
+  rmask = prog.row_ids < spec.rows_store
+  rows = pl.ds(0, spec.rows_pad)
 
   def add(c, carry):
     acc, l, m = carry
-    acc = acc + plgpu.load(acc_ref.at[b, h, c, pl.ds(0, spec.rows_pad), :],
+    acc = acc + plgpu.load(acc_ref.at[b, h, c, rows, :],
                            mask=rmask[:, None], other=0.0)
-    l = l + plgpu.load(l_ref.at[b, h, c, pl.ds(0, spec.rows_pad)],
-                       mask=rmask, other=0.0)
-    m = jnp.maximum(m, plgpu.load(m_ref.at[b, h, c, pl.ds(0, spec.rows_pad)],
-                                  mask=rmask, other=-jnp.inf))
+    l = l + plgpu.load(l_ref.at[b, h, c, rows], mask=rmask, other=0.0)
+    m = jnp.maximum(m, plgpu.load(m_ref.at[b, h, c, rows], mask=rmask,
+                                  other=-jnp.inf))
     return acc, l, m
 
-  init = (jnp.zeros((spec.rows_pad, spec.d_pad), jnp.float32),
-          jnp.zeros((spec.rows_pad,), jnp.float32),
-          jnp.full((spec.rows_pad,), -jnp.inf, jnp.float32))
-  acc, l, m = lax.fori_loop(c_lo, jnp.maximum(c_hi, c_lo), add, init)
+  c_end = jnp.maximum(prog.c_hi, prog.c_lo)
+  acc, l, m = lax.fori_loop(prog.c_lo, c_end, add, prog.zeros())
   ref = plgpu.load(r_ref.at[b, h])
+  if fallback:
+    # Rows whose maximum passed the declared reference by more than the
+    # margin are recomputed here against R := M, chunk by chunk with the
+    # same code and summed in the same order (rare; no host round trip).
+    flag = (m - ref > OVERFLOW_MARGIN) & prog.rows.ok
+
+    def recompute(_):
+      ref2 = jnp.where(flag, m, ref)
+
+      def again(c, carry):
+        acc, l = carry
+        a, ll, _ = prog.chunk_partial(c, ref2)
+        return acc + a, l + ll
+
+      acc2, l2, _ = prog.zeros()
+      acc2, l2 = lax.fori_loop(prog.c_lo, c_end, again, (acc2, l2))
+      return acc2, l2, ref2
+
+    acc, l, ref = lax.cond(_any(flag), recompute, lambda _: (acc, l, ref),
+                           None)
   if spec.has_sinks:
-    sink2 = plgpu.load(sinks_ref.at[h * spec.group + row_ids % spec.group])
-    l = l + jnp.exp2(sink2 * LOG2E - ref)
+    l = l + jnp.exp2(prog.sink2() - ref)
   ok = l > 0.0
   out = acc / jnp.where(ok, l, 1.0)[:, None]
   if spec.v8:
     out = out * vscale_ref[0]
   out = jnp.where(ok[:, None], out, 0.0)
-  flag = (m - ref > OVERFLOW_MARGIN).astype(jnp.int32)
-  plgpu.store(out_ref.at[b, h, pl.ds(0, spec.rows_pad), :],
-              out.astype(out_ref.dtype), mask=rmask[:, None])
-  plgpu.store(flag_ref.at[b, h, pl.ds(0, spec.rows_pad)], flag, mask=rmask)
-  plgpu.store(mx_ref.at[b, h, pl.ds(0, spec.rows_pad)], m, mask=rmask)
+  plgpu.store(out_ref.at[b, h, rows, :], out.astype(out_ref.dtype),
+              mask=rmask[:, None])
+  plgpu.store(used_ref.at[b, h], ref)
 
 
 def _full(shape):
   return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
-
-
-def _split_call(spec: DecodeSpec, q, k_pages, v_pages, block_table, lengths,
-                v_res, summaries, sinks, ovr):
-  batch, heads_kv = q.shape[:2]
-  n_chunks = -(-block_table.shape[1] * spec.page_size // spec.chunk_tokens)
-  args = [lengths, block_table, q, k_pages, v_pages]
-  if spec.v8:
-    args.append(v_res)
-  if spec.summaries:
-    args.extend(summaries)
-  if spec.has_sinks:
-    args.append(sinks)
-  args.append(ovr)
-  rs = spec.rows_store
-  out_shape = [
-      jax.ShapeDtypeStruct((batch, heads_kv, n_chunks, rs, spec.d_pad),
-                           jnp.float32),
-      jax.ShapeDtypeStruct((batch, heads_kv, n_chunks, rs), jnp.float32),
-      jax.ShapeDtypeStruct((batch, heads_kv, n_chunks, rs), jnp.float32),
-      jax.ShapeDtypeStruct((batch, heads_kv, spec.rows_pad), jnp.float32),
-  ]
-  return pl.pallas_call(
-      functools.partial(_split_kernel, spec=spec),
-      grid=(batch, heads_kv, spec.n_splits),
-      in_specs=[_full(a.shape) for a in args],
-      out_specs=[_full(o.shape) for o in out_shape],
-      out_shape=out_shape,
-      compiler_params=plgpu.CompilerParams(num_warps=spec.num_warps,
-                                           num_stages=spec.num_stages),
-      interpret=spec.interpret,
-      name="fold_decode_split",
-  )(*args)
-
-
-def _combine_call(spec: DecodeSpec, lengths, acc, l, m, ref, v_scale, sinks,
-                  out_dtype):
-  batch, heads_kv = acc.shape[:2]
-  args = [lengths, acc, l, m, ref]
-  if spec.v8:
-    args.append(v_scale)
-  if spec.has_sinks:
-    args.append(sinks)
-  rs = spec.rows_store
-  out_shape = [
-      jax.ShapeDtypeStruct((batch, heads_kv, rs, spec.d_pad), out_dtype),
-      jax.ShapeDtypeStruct((batch, heads_kv, rs), jnp.int32),
-      jax.ShapeDtypeStruct((batch, heads_kv, rs), jnp.float32),
-  ]
-  return pl.pallas_call(
-      functools.partial(_combine_kernel, spec=spec),
-      grid=(batch, heads_kv),
-      in_specs=[_full(a.shape) for a in args],
-      out_specs=[_full(o.shape) for o in out_shape],
-      out_shape=out_shape,
-      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
-      interpret=spec.interpret,
-      name="fold_decode_combine",
-  )(*args)
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "fallback"))
@@ -486,29 +467,43 @@ def fold_decode(q, k_pages, v_pages, block_table, lengths, *, spec: DecodeSpec,
     out [batch, heads_kv, rows_store, d_pad] in q's dtype, and the float32
     declared references [batch, heads_kv, rows_pad] actually used.
   """
-  if sinks is not None:
-    sinks = sinks.astype(jnp.float32)
-  if v_scale is not None:
-    v_scale = jnp.reshape(v_scale, (1,)).astype(jnp.float32)
   batch, heads_kv = q.shape[:2]
-
-  def run(ovr):
-    acc, l, m, ref = _split_call(spec, q, k_pages, v_pages, block_table,
-                                 lengths, v_res, summaries, sinks, ovr)
-    out, flag, mx = _combine_call(spec, lengths, acc, l, m, ref, v_scale,
-                                  sinks, q.dtype)
-    return out, flag, mx, ref
-
-  none = jnp.full((batch, heads_kv, spec.rows_pad), jnp.nan, jnp.float32)
-  out, flag, mx, ref = run(none)
-  if not fallback:
-    return out, ref
-
-  def redo(_):
-    pad = spec.rows_pad - spec.rows_store
-    f = jnp.pad(flag, ((0, 0), (0, 0), (0, pad))) > 0
-    mm = jnp.pad(mx, ((0, 0), (0, 0), (0, pad)))
-    o2, _, _, r2 = run(jnp.where(f, mm, jnp.nan))
-    return o2, r2
-
-  return lax.cond(jnp.any(flag > 0), redo, lambda _: (out, ref), None)
+  ins = [lengths, block_table, q, k_pages, v_pages]
+  if spec.v8:
+    ins.append(v_res)
+  if spec.summaries:
+    ins.extend(summaries)
+  if spec.has_sinks:
+    ins.append(sinks.astype(jnp.float32))
+  n_in = len(ins)
+  n_chunks = -(-block_table.shape[1] * spec.page_size // spec.chunk_tokens)
+  rs, rp, f32 = spec.rows_store, spec.rows_pad, jnp.float32
+  sds = jax.ShapeDtypeStruct
+  partial_shapes = [sds((batch, heads_kv, n_chunks, rs, spec.d_pad), f32),
+                    sds((batch, heads_kv, n_chunks, rs), f32),
+                    sds((batch, heads_kv, n_chunks, rs), f32),
+                    sds((batch, heads_kv, rp), f32)]
+  params = plgpu.CompilerParams(num_warps=spec.num_warps,
+                                num_stages=spec.num_stages)
+  partials = pl.pallas_call(
+      functools.partial(_split_kernel, spec=spec, n_in=n_in),
+      grid=(batch, heads_kv, spec.n_splits),
+      in_specs=[_full(a.shape) for a in ins],
+      out_specs=[_full(o.shape) for o in partial_shapes],
+      out_shape=partial_shapes, compiler_params=params,
+      interpret=spec.interpret, name="fold_decode_split")(*ins)
+  extra = []
+  if spec.v8:
+    extra.append(jnp.reshape(v_scale, (1,)).astype(f32))
+  args = ins + extra + list(partials)
+  out_shapes = [sds((batch, heads_kv, rs, spec.d_pad), q.dtype),
+                sds((batch, heads_kv, rp), f32)]
+  out, used = pl.pallas_call(
+      functools.partial(_combine_kernel, spec=spec, n_in=n_in,
+                        fallback=fallback),
+      grid=(batch, heads_kv),
+      in_specs=[_full(a.shape) for a in args],
+      out_specs=[_full(o.shape) for o in out_shapes],
+      out_shape=out_shapes, compiler_params=params,
+      interpret=spec.interpret, name="fold_decode_combine")(*args)
+  return out, used

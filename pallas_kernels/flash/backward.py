@@ -62,7 +62,7 @@ def token_sequence_ids(cu_seqlens, total: int):
   return jnp.where(t < cu_seqlens[-1], seq, cu_seqlens.shape[0] - 1)
 
 
-def dq_inverse_grid(q_dtype_scale: float, k, v, do, delta, cu_seqlens_q,
+def dq_inverse_grid(softmax_scale: float, k, v, do, delta, cu_seqlens_q,
                     cu_seqlens_k, group: int):
   """Per-row inverse grid steps 2^(29 - e), float32 [heads_q, total_q].
 
@@ -82,7 +82,7 @@ def dq_inverse_grid(q_dtype_scale: float, k, v, do, delta, cu_seqlens_q,
   k_max_q = jnp.repeat(k_max[q_seq], group, axis=1).T  # [hq, tq]
   v_max_q = jnp.repeat(v_max[q_seq], group, axis=1).T
   do_norm = jnp.sqrt(jnp.sum(jnp.square(do.astype(jnp.float32)), axis=-1)).T
-  bound = (q_dtype_scale * _BOUND_WIDEN) * k_max_q * (
+  bound = (softmax_scale * _BOUND_WIDEN) * k_max_q * (
       do_norm * v_max_q + jnp.abs(delta))
   _, e = jnp.frexp(bound)  # bound <= 2^e
   e = jnp.clip(e, -90, 97)
@@ -90,10 +90,11 @@ def dq_inverse_grid(q_dtype_scale: float, k, v, do, delta, cu_seqlens_q,
 
 
 def _backward_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
-                     delta_ref, inv_grid_ref, *refs, cfg: MaskConfig,
+                     delta_ref, *refs, cfg: MaskConfig,
                      block_q: int, block_k: int, head_dim: int, group: int,
                      dq_mode: str):
   refs = list(refs)
+  inv_grid_ref = refs.pop(0) if dq_mode == "atomic" else None
   q_seg_ref = k_seg_ref = None
   if cfg.has_segments:
     q_seg_ref, k_seg_ref = refs.pop(0), refs.pop(0)
@@ -304,7 +305,8 @@ def flash_backward(q, k, v, out, lse2, do, cu_seqlens_q, cu_seqlens_k,
     [heads_q]) or None.
   """
   if dq_mode not in ("atomic", "recompute"):
-    raise ValueError(f"dq_mode must be 'atomic' or 'recompute'; got {dq_mode!r}")
+    raise ValueError(
+        f"dq_mode must be 'atomic' or 'recompute'; got {dq_mode!r}")
   total_q, heads_q, head_dim = q.shape
   total_k, heads_kv, _ = k.shape
   group = heads_q // heads_kv
@@ -320,9 +322,10 @@ def flash_backward(q, k, v, out, lse2, do, cu_seqlens_q, cu_seqlens_k,
   if dlse is not None:
     delta = delta - dlse
   delta = jnp.where(q_in_seq, delta, 0.0)
-  inv_grid = dq_inverse_grid(cfg.scale, k, v, do, delta, cu_seqlens_q,
-                             cu_seqlens_k, group)
-  inv_grid = jnp.where(q_in_seq, inv_grid, 1.0)
+  if dq_mode == "atomic":
+    inv_grid = dq_inverse_grid(cfg.scale, k, v, do, delta, cu_seqlens_q,
+                               cu_seqlens_k, group)
+    inv_grid = jnp.where(q_in_seq, inv_grid, 1.0)
 
   def grouped(x):  # [total, heads_q, ...] -> [total, heads_kv, group, ...]
     return x.reshape(x.shape[0], heads_kv, group, *x.shape[2:])
@@ -344,9 +347,12 @@ def flash_backward(q, k, v, out, lse2, do, cu_seqlens_q, cu_seqlens_k,
   dq_spec = pl.BlockSpec((dq_rows, None, group, d_pad),
                          lambda i, s, h: (0, h, 0, 0))
   in_specs = [full(cu_seqlens_q.shape), full(cu_seqlens_k.shape), q_spec,
-              kv_spec, kv_spec, q_spec, row_spec, row_spec, row_spec]
+              kv_spec, kv_spec, q_spec, row_spec, row_spec]
   args = [cu_seqlens_q, cu_seqlens_k, grouped(q), k, v, grouped(do),
-          grouped_rows(lse2), grouped_rows(delta), grouped_rows(inv_grid)]
+          grouped_rows(lse2), grouped_rows(delta)]
+  if dq_mode == "atomic":
+    in_specs.append(row_spec)
+    args.append(grouped_rows(inv_grid))
   seg_specs, seg_args = [], []
   if cfg.has_segments:
     seg_specs = [full(q_segment_ids.shape), full(kv_segment_ids.shape)]

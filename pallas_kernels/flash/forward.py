@@ -140,7 +140,8 @@ def _forward_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, *refs,
     out = acc / l_safe[:, None]
     lse2 = jnp.where(seen, m + jnp.log2(l_safe), jnp.inf)
     plgpu.store(o_ref.at[pl.ds(q_off + q0, block_q), :],
-                out.astype(o_ref.dtype), mask=_tiles.mask_and(q_valid[:, None], head_mask))
+                out.astype(o_ref.dtype),
+                mask=_tiles.mask_and(q_valid[:, None], head_mask))
     plgpu.store(lse_ref.at[pl.ds(q_off + q0, block_q)], lse2, mask=q_valid)
 
 
