@@ -1,0 +1,232 @@
+"""`disentangled_attention`: DeBERTa-v2/v3 attention with a custom VJP over
+the Pallas kernels (`pallas_kernels.deberta`), or a chunked XLA path.
+
+Conventions are those of `pallas_kernels.reference.deberta` (HF's scale and
+index placement; a fully masked query row gives 0 and zero gradients).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_api import _validation as val
+from jax_api._backend import _gpu_capability, resolve_backend
+from pallas_kernels.deberta import _dropout
+from pallas_kernels.deberta._geometry import geometry
+from pallas_kernels.deberta.backward import disentangled_backward
+from pallas_kernels.deberta.config import (DebertaBlocks, KernelConfig,
+                                           blocks_for)
+from pallas_kernels.deberta.forward import disentangled_forward
+from jax_api.deberta._xla import xla_disentangled
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def position_tables(q, k, pos_key, pos_query, cfg: KernelConfig):
+  """c2p = Q Kpos^T and p2c = K Qpos^T, [total, heads, 2*span] in q's dtype
+  (float32 accumulation; what HF computes with two bmm)."""
+  prec = _HIGHEST if jnp.dtype(q.dtype) == jnp.float32 else None
+  c = p = None
+  if cfg.c2p:
+    c = jnp.einsum("thd,rhd->thr", q, pos_key, precision=prec,
+                   preferred_element_type=jnp.float32).astype(q.dtype)
+  if cfg.p2c:
+    p = jnp.einsum("thd,rhd->thr", k, pos_query, precision=prec,
+                   preferred_element_type=jnp.float32).astype(q.dtype)
+  return c, p
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
+def _kernel_attention(q, k, v, pos_key, pos_query, cu, token_mask, seed,
+                      cfg: KernelConfig, blocks: DebertaBlocks,
+                      max_seqlen: int, interpret: bool):
+  c, p = position_tables(q, k, pos_key, pos_query, cfg)
+  out, _ = disentangled_forward(q, k, v, c, p, cu, token_mask, seed, cfg=cfg,
+                                blocks=blocks.fwd, max_seqlen=max_seqlen,
+                                interpret=interpret)
+  return out
+
+
+def _fwd(q, k, v, pos_key, pos_query, cu, token_mask, seed, cfg, blocks,
+         max_seqlen, interpret):
+  c, p = position_tables(q, k, pos_key, pos_query, cfg)
+  out, lse2 = disentangled_forward(q, k, v, c, p, cu, token_mask, seed,
+                                   cfg=cfg, blocks=blocks.fwd,
+                                   max_seqlen=max_seqlen, interpret=interpret)
+  # The position tables are recomputed in the backward (two small GEMMs)
+  # rather than kept alive between the passes.
+  return out, (q, k, v, pos_key, pos_query, cu, token_mask, seed, out, lse2)
+
+
+def _bwd(cfg, blocks, max_seqlen, interpret, res, do):
+  q, k, v, pos_key, pos_query, cu, token_mask, seed, out, lse2 = res
+  c, p = position_tables(q, k, pos_key, pos_query, cfg)
+  dq, dk, dv, dpk, dpq = disentangled_backward(
+      q, k, v, pos_key, pos_query, c, p, out, lse2, do.astype(q.dtype), cu,
+      token_mask, seed, cfg=cfg, blocks=blocks, max_seqlen=max_seqlen,
+      interpret=interpret)
+  dpk = None if pos_key is None else dpk.astype(pos_key.dtype)
+  dpq = None if pos_query is None else dpq.astype(pos_query.dtype)
+  return dq, dk, dv, dpk, dpq, None, None, None
+
+
+_kernel_attention.defvjp(_fwd, _bwd)
+
+
+def _check_pos(name, pos, span, h, d, dtype):
+  val.check_array(name, pos, ndim=3, layout="[2*att_span, heads, head_dim]")
+  val.check_float_dtype(name, pos)
+  if pos.shape[1:] != (h, d):
+    raise ValueError(f"{name} must have shape [>= 2*att_span, {h}, {d}]; got "
+                     f"{tuple(pos.shape)}.")
+  if pos.shape[0] < 2 * span:
+    raise ValueError(f"{name} has {pos.shape[0]} rows; needs at least "
+                     f"2*att_span = {2 * span} (att_span = position_buckets "
+                     "if > 0 else max_relative_positions).")
+  return jnp.asarray(pos)[: 2 * span].astype(dtype)
+
+
+def _check_options(position_buckets, max_relative_positions, pos_att_type,
+                   dropout_rate, dropout_rng):
+  for name, x in (("position_buckets", position_buckets),
+                  ("max_relative_positions", max_relative_positions)):
+    if not isinstance(x, (int, np.integer)) or isinstance(x, bool):
+      raise TypeError(f"{name} must be a Python int; got {x!r}.")
+  if max_relative_positions < 1:
+    raise ValueError(
+        "max_relative_positions must be >= 1 (HF replaces values < 1 by "
+        f"max_position_embeddings; do that first); got "
+        f"{max_relative_positions}.")
+  if isinstance(pos_att_type, str):
+    pos_att_type = tuple(t.strip() for t in pos_att_type.split("|") if t)
+  types = tuple(pos_att_type or ())
+  bad = [t for t in types if t not in ("c2p", "p2c")]
+  if bad:
+    raise ValueError(f"pos_att_type entries must be 'c2p' or 'p2c'; got "
+                     f"{bad}.")
+  if not isinstance(dropout_rate, (int, float, np.floating)):
+    raise TypeError(f"dropout_rate must be a Python float; got "
+                    f"{dropout_rate!r}.")
+  if not 0.0 <= float(dropout_rate) < 1.0:
+    raise ValueError(f"dropout_rate must be in [0, 1); got {dropout_rate}.")
+  if dropout_rate > 0 and dropout_rng is None:
+    raise ValueError("dropout_rate > 0 needs dropout_rng (a jax.random key).")
+  return "c2p" in types, "p2c" in types, float(dropout_rate)
+
+
+def disentangled_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array,
+    pos_key: jax.Array | None = None, pos_query: jax.Array | None = None, *,
+    attention_mask: jax.Array | None = None,
+    cu_seqlens: jax.Array | None = None, max_seqlen: int | None = None,
+    position_buckets: int = 256, max_relative_positions: int = 512,
+    pos_att_type: Sequence[str] = ("c2p", "p2c"),
+    dropout_rate: float = 0.0, dropout_rng: jax.Array | None = None,
+    backend: str = "auto") -> jax.Array:
+  """DeBERTa-v2/v3 disentangled self-attention (HF `DisentangledSelfAttention`
+  from projected q/k/v on), differentiable in q, k, v, pos_key and pos_query.
+
+  Args:
+    q, k, v: [batch, seq, heads, head_dim] (bf16, fp16 or fp32), or with
+      `cu_seqlens` packed [total, heads, head_dim].
+    pos_key: [>= 2*att_span, heads, head_dim]: the relative embeddings
+      (HF `encoder.get_rel_embedding()`) through the key projection (or
+      `pos_key_proj`); needed iff "c2p" in pos_att_type. Rows past
+      2*att_span are ignored (HF slices them off too).
+    pos_query: the same through the query projection (or `pos_query_proj`);
+      needed iff "p2c" in pos_att_type.
+    attention_mask: [batch, seq] 0/1 (or bool); pair (i, j) is visible iff
+      both tokens are. A fully masked row outputs 0 (HF outputs the mean of
+      v there). Not with cu_seqlens.
+    cu_seqlens: int32 [num_seqs + 1] cumulative lengths of packed sequences;
+      positions restart at 0 in each; tokens past cu_seqlens[-1] output 0.
+    max_seqlen: longest packed sequence (static int); taken from concrete
+      cu_seqlens when omitted (pass it under jit).
+    position_buckets, max_relative_positions: as in DebertaV2Config
+      (max_relative_positions already resolved to >= 1).
+    pos_att_type: subset of ("c2p", "p2c") (or HF's "c2p|p2c" string).
+    dropout_rate, dropout_rng: attention-probability dropout; the mask is a
+      counter-based hash of (seed from dropout_rng, sequence, head, i, j),
+      regenerated in the backward, never stored.
+    backend: "auto", "pallas", "interpret" or "xla" (jax_api._backend).
+      "xla" is a chunked pure-JAX path (one [batch, heads, 128, seq] score
+      block at a time, autodiff backward, not bitwise deterministic on GPU).
+
+  Returns:
+    out shaped like q, in q's dtype.
+  """
+  packed = cu_seqlens is not None
+  val.check_qkv(q, k, v, packed=packed)
+  if q.shape != k.shape:
+    raise ValueError(f"disentangled attention is self-attention: q and k "
+                     f"must have one shape; got {tuple(q.shape)} and "
+                     f"{tuple(k.shape)}.")
+  c2p, p2c, rate = _check_options(position_buckets, max_relative_positions,
+                                  pos_att_type, dropout_rate, dropout_rng)
+  geo = geometry(int(position_buckets), int(max_relative_positions))
+  *lead, h, d = q.shape
+  pk = _check_pos("pos_key", pos_key, geo.span, h, d, q.dtype) if c2p else None
+  pq = (_check_pos("pos_query", pos_query, geo.span, h, d, q.dtype)
+        if p2c else None)
+  if packed:
+    if attention_mask is not None:
+      raise ValueError("attention_mask and cu_seqlens are exclusive (packed "
+                       "sequences need no padding mask).")
+    val.check_cu_seqlens("cu_seqlens", cu_seqlens, q.shape[0])
+  elif attention_mask is not None:
+    val.check_array("attention_mask", attention_mask, ndim=2,
+                    layout="[batch, seq]")
+    if tuple(attention_mask.shape) != tuple(lead):
+      raise ValueError(f"attention_mask must have shape [batch, seq] = "
+                       f"{list(lead)}; got {tuple(attention_mask.shape)}.")
+  seed = (_dropout.seed_from_rng(dropout_rng) if rate > 0 else None)
+  be = resolve_backend(backend, kernel="disentangled_attention")
+  split = be != "interpret" or os.environ.get(
+      "FOLDAX_DEBERTA_SPLIT_TILES") == "1"
+  cfg = KernelConfig(geo, c2p, p2c, attention_mask is not None and not packed,
+                     rate, d, split)
+
+  if be == "xla":
+    if packed:
+      cu = jnp.asarray(cu_seqlens, jnp.int32)
+      t = jnp.arange(q.shape[0], dtype=jnp.int32)
+      sid = jnp.searchsorted(cu, t, side="right").astype(jnp.int32) - 1
+      valid = t < cu[-1]
+      sid = jnp.where(valid, sid, -1)
+      pos = t - cu[jnp.clip(sid, 0, cu.shape[0] - 2)]
+      out = xla_disentangled(q[None], k[None], v[None], pk, pq, sid[None],
+                             pos[None], valid[None], seed, cfg=cfg)[0]
+      return jnp.where(valid[:, None, None], out, 0).astype(q.dtype)
+    b, s = lead
+    seg = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, s))
+    pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    valid = (jnp.ones((b, s), bool) if attention_mask is None
+             else jnp.asarray(attention_mask) != 0)
+    return xla_disentangled(q, k, v, pk, pq, seg, pos, valid, seed, cfg=cfg)
+
+  interpret = be == "interpret"
+  cc = None if interpret else _gpu_capability()
+  blocks = blocks_for(head_dim=d, dtype=q.dtype, interpret=interpret,
+                      compute_capability=cc)
+  if packed:
+    ms = val.concrete_max_seqlen("max_seqlen", cu_seqlens, max_seqlen)
+    cu = jnp.asarray(cu_seqlens, jnp.int32)
+    out = _kernel_attention(q, k, v, pk, pq, cu, None, seed, cfg, blocks,
+                            ms or q.shape[0], interpret)
+    in_seq = jnp.arange(q.shape[0]) < cu[-1]
+    return jnp.where(in_seq[:, None, None], out, 0).astype(q.dtype)
+  b, s = lead
+  cu = jnp.arange(b + 1, dtype=jnp.int32) * s
+  tm = None
+  if attention_mask is not None:
+    tm = (jnp.asarray(attention_mask) != 0).astype(jnp.int32).reshape(-1)
+  out = _kernel_attention(q.reshape(b * s, h, d), k.reshape(b * s, h, d),
+                          v.reshape(b * s, h, d), pk, pq, cu, tm, seed, cfg,
+                          blocks, s, interpret)
+  return out.reshape(b, s, h, d)
