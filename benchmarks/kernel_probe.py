@@ -1,8 +1,15 @@
-"""GPU probe for the dense kernels: correctness, determinism and a block-size
-sweep in one process (`python -m benchmarks.kernel_probe --out probe.json`).
+"""GPU probe and opt-in autotuner for the dense kernels: correctness,
+determinism and a block-size sweep in one process.
 
-Used while tuning `pallas_kernels/flash/config.py`; the full comparison with
-every competitor is `benchmarks.dense`.
+    python -m benchmarks.kernel_probe --out probe.json \
+        [--write-table blocks.json]
+
+`--write-table` writes the fastest configuration per (GPU generation, head
+dim, dtype, mode) as a JSON table; point `FOLDAX_BLOCK_TABLE` at it to use it
+instead of the shipped table in `pallas_kernels/flash/config.py`. Block sizes
+are chosen per GPU, head dim, dtype and mode only, never per batch or length,
+so tuned tables keep a sequence's bits independent of its batch.
+The full comparison with every competitor is `benchmarks.dense`.
 """
 
 from __future__ import annotations
@@ -138,6 +145,7 @@ def sweep(records, b, s, h, d, causal, fwd_cands, bwd_cands,
   cu = jnp.arange(b + 1, dtype=jnp.int32) * s
   pq, pk, pv, pdo = map(_pack, (q, k, v, do))
   best_fwd = None
+  best_bwd = {}
   for bs in fwd_cands:
     try:
       fn = jax.jit(lambda q, k, v, bs=bs: flash_forward(
@@ -159,6 +167,8 @@ def sweep(records, b, s, h, d, causal, fwd_cands, bwd_cands,
           q, k, v, o, l, do, cu, cu, cfg=cfg, blocks=bs, max_seqlen_q=s,
           max_seqlen_k=s, dq_mode=mode)[:3])
       ms = _time(fn, pq, pk, pv, out, lse2, pdo)
+      if mode not in best_bwd or ms < best_bwd[mode][0]:
+        best_bwd[mode] = (ms, bs)
       rec = dict(kind="bwd", mode=mode, b=b, s=s, h=h, d=d, causal=causal,
                  blocks=bs.__dict__, ms=ms,
                  tflops=2.5 * flops_fwd / ms / 1e9,
@@ -167,6 +177,12 @@ def sweep(records, b, s, h, d, causal, fwd_cands, bwd_cands,
       rec = dict(kind="bwd", blocks=bs.__dict__, error=repr(e)[:300])
     print(rec, flush=True)
     records.append(rec)
+  major = int(jax.devices()[0].compute_capability.split(".")[0])
+  table = {json.dumps([major, d, 2, "fwd"]): best_fwd[1].__dict__}
+  for mode, (_, bs) in best_bwd.items():
+    key = "bwd" if mode == "recompute" else "bwd_atomic"
+    table[json.dumps([major, d, 2, key])] = bs.__dict__
+  records.append(dict(kind="table", entries=table))
   # cuDNN reference point in the same process.
   try:
     f = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
@@ -190,6 +206,8 @@ def main(argv=None):
   p.add_argument("--out", default="probe.json")
   p.add_argument("--skip-correctness", action="store_true")
   p.add_argument("--sweep", default="small")
+  p.add_argument("--write-table", default=None,
+                 help="write the fastest blocks as a FOLDAX_BLOCK_TABLE file")
   a = p.parse_args(argv)
   records = [dict(kind="meta", device=str(jax.devices()[0]),
                   jax=jax.__version__, date=time.strftime("%Y-%m-%d %H:%M"),
@@ -211,6 +229,13 @@ def main(argv=None):
   sweep(records, 4, 4096, 16, 64, False, fwd[:3], bwd[:3])
   with open(a.out, "w") as f:
     json.dump(records, f, indent=1)
+  if a.write_table:
+    table = {}
+    for r in records:
+      if r.get("kind") == "table":
+        table.update(r["entries"])
+    with open(a.write_table, "w") as f:
+      json.dump(table, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -339,3 +339,20 @@ def test_gpu_bitwise_repeatable_and_batch_invariant(mode, monkeypatch):
                   *(x.reshape(-1, *x.shape[2:]) for x in (q, k, v, do)))
   for a, b in zip(alone, packed):
     assert bool(jnp.all(a[0] == b[2048:3072]))
+
+
+def test_block_table_override(tmp_path, monkeypatch):
+  """An autotuned table (FOLDAX_BLOCK_TABLE) replaces the shipped entry."""
+  import json
+  from pallas_kernels.flash.config import BlockSizes, block_sizes_for
+  path = tmp_path / "blocks.json"
+  path.write_text(json.dumps({json.dumps([9, 128, 2, "fwd"]): dict(
+      block_q=64, block_k=32, num_warps=4, num_stages=2)}))
+  monkeypatch.setenv("FOLDAX_BLOCK_TABLE", str(path))
+  got = block_sizes_for(compute_capability=(9, 0), head_dim=128,
+                        dtype=jnp.bfloat16, mode="fwd", interpret=False)
+  assert got == BlockSizes(64, 32, 4, 2)
+  monkeypatch.delenv("FOLDAX_BLOCK_TABLE")
+  assert block_sizes_for(compute_capability=(9, 0), head_dim=128,
+                         dtype=jnp.bfloat16, mode="fwd",
+                         interpret=False) != got
