@@ -1,0 +1,839 @@
+"""Figures and a Markdown table from benchmark JSON.
+
+    python -m benchmarks.plot results.json [more.json ...] \\
+        [--output-dir benchmarks/results/h200/] [--title-suffix TEXT]
+
+Reads what `python -m benchmarks.run` writes (a `suites` mapping) or what a
+single suite writes (`python -m benchmarks.dense`: `metadata` + `records`),
+and writes into --output-dir (default `benchmarks/results/<gpu>/`), one figure
+per question a user asks:
+
+  <suite>_speedup.png          "How much faster is foldax than what I use
+                               now?": time of each competitor / time of ours,
+                               per shape, forward and forward+backward
+                               (>1: ours is faster); backward passes that
+                               are not bitwise repeatable are marked.
+  <suite>_latency_vs_seqlen.png  "How does it scale with sequence length?"
+                               (only when the JSON has >= 2 lengths of one
+                               shape family): latency and speedup vs length.
+  <suite>_memory.png           "How much memory does it need?": peak bytes a
+                               call adds over its inputs, per shape.
+  decode_bandwidth.png         "How close to the memory bandwidth does decode
+                               get?" (when decode records carry TB/s).
+  table.md                     every number behind the figures, with the
+                               provenance (GPU, driver, versions, commit,
+                               command, date, source JSON).
+
+Only matplotlib (Agg) and the standard library are used; nothing here imports
+JAX or torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any, Iterable
+
+REPO = Path(__file__).resolve().parents[1]
+MODES = ("fwd", "fwd+bwd")
+MODE_TITLE = {"fwd": "forward", "fwd+bwd": "forward + backward"}
+
+# Display names: what a user knows the competitor as.
+IMPL_NAMES = {
+    "ours": "foldax (ours)",
+    "jax_cudnn": "cuDNN via jax.nn.dot_product_attention",
+    "jax_cudnn_det": "cuDNN via JAX, XLA deterministic ops",
+    "jax_xla": "XLA via jax.nn.dot_product_attention",
+    "pallas_mha": "JAX Pallas ops.gpu.attention",
+    "pallas_mha_tuned": "JAX Pallas attention, tuned blocks",
+    "tokamax": "tokamax (default: Mosaic GPU)",
+    "tokamax_triton": "tokamax, Triton",
+    "torch_cudnn": "torch SDPA, cuDNN",
+    "torch_flash": "torch SDPA, flash (FA2)",
+    "torch_flash_det": "torch SDPA flash, deterministic",
+    "fastflash": "fastflash-attention",
+    # deberta / bridge suites (benchmarks.run)
+    "ours_xla": "foldax XLA path",
+    "hf_torch": "Hugging Face eager (torch)",
+    "bridge": "foldax via torch_bridge",
+    "jax_direct": "foldax called from JAX",
+    "torch_sdpa": "torch SDPA",
+}
+IMPL_VERSION_PKG = {"tokamax": "tokamax", "tokamax_triton": "tokamax",
+                    "fastflash": "fastflash-attention"}
+IMPL_ORDER = ("ours", "jax_cudnn", "jax_cudnn_det", "torch_cudnn",
+              "torch_flash", "torch_flash_det", "tokamax", "tokamax_triton",
+              "fastflash", "pallas_mha", "pallas_mha_tuned", "jax_xla",
+              "ours_xla", "hf_torch", "bridge", "jax_direct", "torch_sdpa")
+OURS_COLOR = "#d62728"
+# One colour per competitor in every figure.
+IMPL_COLORS = {
+    "jax_cudnn": "#1f77b4", "jax_cudnn_det": "#17becf", "torch_cudnn": "#9467bd",
+    "torch_flash": "#8c564b", "torch_flash_det": "#e377c2",
+    "tokamax": "#2ca02c", "tokamax_triton": "#bcbd22", "fastflash": "#ff7f0e",
+    "pallas_mha": "#7f7f7f", "pallas_mha_tuned": "#393b79",
+    "jax_xla": "#637939", "ours_xla": "#ff9896", "hf_torch": "#8c6d31",
+    "bridge": "#d62728", "jax_direct": "#1f77b4", "torch_sdpa": "#8c564b"}
+IMPL_MARKERS = {
+    "jax_cudnn": "s", "jax_cudnn_det": "D", "torch_cudnn": "^",
+    "torch_flash": "v", "torch_flash_det": "<", "tokamax": ">",
+    "tokamax_triton": "p", "fastflash": "h", "pallas_mha": "*",
+    "pallas_mha_tuned": "X", "jax_xla": "P", "ours_xla": "d"}
+PALETTE = ("#1f77b4", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+           "#bcbd22", "#17becf", "#ff7f0e", "#393b79", "#637939", "#8c6d31",
+           "#843c39", "#7b4173")
+# Bandwidth keys a decode record may carry (TB/s, or GB/s scaled below).
+BW_KEYS_TBS = ("tbps", "tb_s", "tb_per_s", "bandwidth_tbs", "bw_tbs",
+               "hbm_tbs", "TB/s")
+BW_KEYS_GBS = ("gbps", "gb_s", "gb_per_s", "bandwidth_gbs", "bw_gbs")
+CTX_KEYS = ("context", "context_len", "ctx", "kv_len", "seq_k", "Sk",
+            "cache_len", "length", "S")
+HBM_PEAK_TBS = {"H200": 4.8, "H100": 3.35, "A100": 2.0}
+
+
+# ----------------------------------------------------------------------------
+# Loading
+# ----------------------------------------------------------------------------
+def _suite_of(doc: dict) -> str:
+  cmd = str(doc.get("metadata", {}).get("command", ""))
+  m = re.search(r"benchmarks\.(\w+)", cmd)
+  if m and m.group(1) not in ("run", "plot"):
+    return m.group(1)
+  return doc.get("metadata", {}).get("suite", "dense")
+
+
+def load(paths: Iterable[str | os.PathLike]) -> dict:
+  """-> {"metadata": first file's metadata, "sources": [paths],
+         "suites": {name: {"metadata", "records", "status", "note"}}}."""
+  out: dict[str, Any] = dict(metadata={}, sources=[], suites={})
+  for p in paths:
+    p = Path(p)
+    doc = json.loads(p.read_text())
+    out["sources"].append(str(p))
+    if "suites" in doc:
+      if not out["metadata"]:
+        out["metadata"] = dict(doc.get("metadata", {}))
+      for name, s in doc["suites"].items():
+        tgt = out["suites"].setdefault(name, dict(metadata=s.get("metadata",
+                                                                  {}),
+                                                  records=[]))
+        tgt["records"].extend(s.get("records", []) or [])
+        for k in ("status", "note", "returncode", "elapsed_s"):
+          if k in s:
+            tgt[k] = s[k]
+    else:
+      name = _suite_of(doc)
+      if not out["metadata"]:
+        out["metadata"] = dict(doc.get("metadata", {}))
+      tgt = out["suites"].setdefault(name, dict(
+          metadata=doc.get("metadata", {}), records=[], status="ok"))
+      tgt["records"].extend(doc.get("records", []))
+  return out
+
+
+def gpu_slug(md: dict) -> str:
+  name = str(md.get("gpu_name") or md.get("device_kind") or "cpu")
+  name = re.sub(r"^(NVIDIA|Tesla)\s+", "", name.strip(), flags=re.I)
+  slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+  return slug or "cpu"
+
+
+# ----------------------------------------------------------------------------
+# Records
+# ----------------------------------------------------------------------------
+def shape_key(r: dict) -> tuple:
+  return (r.get("B"), r.get("Hq"), r.get("Hkv"), r.get("S"), r.get("D"),
+          bool(r.get("causal")), r.get("dtype", "bf16"))
+
+
+def shape_label(k: tuple, multiline: bool = False) -> str:
+  B, Hq, Hkv, S, D, c, dt = k
+  heads = f"H{Hq}" if Hq == Hkv else f"H{Hq}/KV{Hkv}"
+  parts = [f"B{B} {heads}", f"S{S} D{D}",
+           ("causal" if c else "non-causal") + (f" {dt}" if dt != "bf16" else "")]
+  return "\n".join(parts) if multiline else " ".join(parts)
+
+
+def family_key(k: tuple) -> tuple:
+  B, Hq, Hkv, S, D, c, dt = k
+  return (Hq, Hkv, D, c, dt)
+
+
+def family_label(f: tuple) -> str:
+  Hq, Hkv, D, c, dt = f
+  heads = f"H{Hq}" if Hq == Hkv else f"H{Hq}/KV{Hkv} (GQA)"
+  return f"{heads} D{D} {'causal' if c else 'non-causal'} {dt}"
+
+
+def ok(r: dict | None) -> bool:
+  return bool(r) and r.get("ms") is not None and not (
+      isinstance(r.get("ms"), float) and math.isnan(r["ms"]))
+
+
+def index(records: list[dict]) -> dict:
+  return {(shape_key(r), r["impl"], r["mode"]): r for r in records
+          if r.get("mode") in MODES and "impl" in r}
+
+
+def impls_of(records: list[dict]) -> list[str]:
+  seen = []
+  for r in records:
+    if r.get("mode") in MODES and r.get("impl") not in seen and ok(r):
+      seen.append(r["impl"])
+  return sorted(seen, key=lambda i: (IMPL_ORDER.index(i) if i in IMPL_ORDER
+                                     else len(IMPL_ORDER), i))
+
+
+def shapes_of(records: list[dict]) -> list[tuple]:
+  out = []
+  for r in records:
+    if r.get("mode") in MODES and shape_key(r) not in out:
+      out.append(shape_key(r))
+  return out
+
+
+def impl_name(impl: str, md: dict | None = None) -> str:
+  n = IMPL_NAMES.get(impl, impl)
+  pkg = IMPL_VERSION_PKG.get(impl)
+  v = ((md or {}).get("versions") or {}).get(pkg) if pkg else None
+  if v and v not in n:
+    n = n.replace(pkg, f"{pkg} {v}", 1) if pkg in n else f"{n} {v}"
+  return n
+
+
+def repeatable_summary(by: dict, impl: str, shapes: list[tuple]) -> bool | None:
+  vals = {by[(s, impl, "fwd+bwd")].get("bitwise_repeatable")
+          for s in shapes if (s, impl, "fwd+bwd") in by}
+  vals.discard(None)
+  if not vals:
+    return None
+  return True if vals == {True} else False if vals == {False} else None
+
+
+def fmt_ms(ms: float) -> str:
+  return f"{ms:.3f}" if ms < 1 else f"{ms:.2f}" if ms < 100 else f"{ms:.0f}"
+
+
+def fmt_bytes(n: float | None) -> str:
+  if n is None:
+    return "–"
+  for unit, f in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+    if abs(n) >= f:
+      v = n / f
+      return f"{v:.1f} {unit}" if v < 100 else f"{v:.0f} {unit}"
+  return f"{n:.0f} B"
+
+
+def device_label(md: dict) -> str:
+  gpu = md.get("gpu_name")
+  if gpu:
+    return str(gpu)
+  kind = str(md.get("device_kind") or md.get("jax_backend") or "cpu")
+  return (f"{kind.upper() if kind.lower() == 'cpu' else kind}: smoke run, "
+          "times show the harness works, not speed")
+
+
+def provenance(md: dict, sources: list[str]) -> str:
+  gpu = md.get("gpu_name") or md.get("device_kind") or "CPU"
+  cc = md.get("compute_capability") or md.get("jax_compute_capability")
+  v = md.get("versions") or {}
+  bits = [f"{gpu}" + (f" (SM {cc})" if cc else ""),
+          str(md.get("date", ""))[:10]]
+  if v.get("jax"):
+    bits.append(f"jax {v['jax']}")
+  if v.get("torch"):
+    bits.append(f"torch {v['torch']}")
+  if md.get("git_commit"):
+    bits.append(f"commit {str(md['git_commit']).split()[0][:10]}")
+  if sources:
+    bits.append("data: " + ", ".join(Path(s).name for s in sources))
+  return " · ".join(b for b in bits if b)
+
+
+# ----------------------------------------------------------------------------
+# Figures
+# ----------------------------------------------------------------------------
+def _plt():
+  import matplotlib
+  matplotlib.use("Agg", force=True)
+  import matplotlib.pyplot as plt
+  plt.rcParams.update({
+      "font.size": 10, "axes.titlesize": 12, "axes.labelsize": 10.5,
+      "figure.titlesize": 14, "legend.fontsize": 9, "axes.spines.top": False,
+      "axes.spines.right": False, "savefig.facecolor": "white",
+      "figure.facecolor": "white"})
+  return plt
+
+
+def _footer(fig, text: str, y: float = 0.005):
+  fig.text(0.5, y, text, ha="center", va="bottom", fontsize=8, color="#555555",
+           wrap=True)
+
+
+def speedup_figure(records: list[dict], md: dict, path: Path, *,
+                   suite: str = "dense", sources=()) -> Path | None:
+  """Heatmaps (competitor x shape) of competitor time / our time."""
+  plt = _plt()
+  from matplotlib.colors import TwoSlopeNorm
+  by = index(records)
+  shapes = shapes_of(records)
+  impls = impls_of(records)
+  if "ours" not in impls or len(impls) < 2:
+    return None
+  others = [i for i in impls if i != "ours"]
+  modes = [m for m in MODES if any((s, "ours", m) in by and ok(by[(s, "ours",
+                                                                    m)])
+                                   for s in shapes)]
+  if not modes:
+    return None
+  rows_per_mode = {m: [i for i in others if any(ok(by.get((s, i, m)))
+                                               for s in shapes)]
+                   for m in modes}
+  n_rows = max(len(v) for v in rows_per_mode.values())
+  ncol = len(shapes)
+  fig_w = max(12.0, len(modes) * (3.4 + 1.25 * ncol))
+  fig_h = 2.9 + 0.45 * n_rows
+  fig, axes = plt.subplots(1, len(modes), figsize=(fig_w, fig_h),
+                           squeeze=False)
+  # log2 ratio on a diverging map: 0.5x and 2x equally far from 1x.
+  norm = TwoSlopeNorm(vmin=-1.0, vcenter=0.0, vmax=1.0)
+  cmap = plt.get_cmap("RdYlGn")
+  for ax, mode in zip(axes[0], modes):
+    rows = rows_per_mode[mode]
+    data = [[None] * ncol for _ in rows]
+    for i, impl in enumerate(rows):
+      for j, s in enumerate(shapes):
+        o, r = by.get((s, "ours", mode)), by.get((s, impl, mode))
+        if ok(o) and ok(r):
+          data[i][j] = r["ms"] / o["ms"]
+    grid = [[math.log2(v) if v else float("nan") for v in row] for row in data]
+    ax.imshow(grid, cmap=cmap, norm=norm, aspect="auto")
+    for i, impl in enumerate(rows):
+      for j, s in enumerate(shapes):
+        v = data[i][j]
+        if v is None:
+          ax.text(j, i, "n/a", ha="center", va="center", fontsize=9,
+                  color="#777777")
+          continue
+        txt = f"{v:.2f}×"
+        rec = by.get((s, impl, mode)) or {}
+        nd = mode == "fwd+bwd" and rec.get("bitwise_repeatable") is False
+        tc = "black" if abs(math.log2(v)) < 0.75 else "white"
+        ax.text(j, i - (0.12 if nd else 0), txt, ha="center", va="center",
+                fontsize=10.5, fontweight="bold", color=tc)
+        if nd:
+          ax.text(j, i + 0.28, "not repeatable", ha="center", va="center",
+                  fontsize=7, style="italic", color=tc)
+    ax.set_xticks(range(ncol))
+    ax.set_xticklabels([shape_label(s, multiline=True) for s in shapes],
+                       fontsize=8.5)
+    ax.xaxis.tick_top()
+    ax.set_yticks(range(len(rows)))
+    ylabels = []
+    for impl in rows:
+      n = impl_name(impl, md)
+      ylabels.append(n)
+    ax.set_yticklabels(ylabels if ax is axes[0][0] or True else [])
+    ax.set_title(MODE_TITLE[mode], pad=42, fontweight="bold")
+    for sp in ax.spines.values():
+      sp.set_visible(False)
+    ax.set_xticks([x - 0.5 for x in range(1, ncol)], minor=True)
+    ax.set_yticks([y - 0.5 for y in range(1, len(rows))], minor=True)
+    ax.grid(which="minor", color="white", linewidth=2)
+    ax.tick_params(which="both", length=0)
+  gpu = device_label(md)
+  fig.suptitle(f"How much faster is foldax than what you use now? "
+               f"({suite}, {gpu})", y=1 - 0.08 / fig_h, va="top")
+  ours_rep = repeatable_summary(by, "ours", shapes)
+  sub = ("cell = competitor's median time ÷ foldax's median time:  "
+         "green (> 1×) foldax is faster,  red (< 1×) foldax is slower")
+  if ours_rep:
+    sub += ("\nfoldax's backward was bitwise repeatable on every shape; "
+            "'not repeatable' marks competitors whose gradients changed "
+            "between runs")
+  fig.text(0.5, 1 - 0.48 / fig_h, sub, ha="center", va="top",
+           fontsize=9, color="#333333", linespacing=1.5)
+  _footer(fig, provenance(md, list(sources)))
+  fig.tight_layout(rect=(0, 0.3 / fig_h, 1, 1 - 0.85 / fig_h))
+  fig.savefig(path, dpi=130)
+  plt.close(fig)
+  return path
+
+
+def _impl_styles(impls: list[str]) -> dict:
+  out, k = {}, 0
+  for i in impls:
+    if i == "ours":
+      out[i] = dict(color=OURS_COLOR, lw=3.0, marker="o", ms=7, zorder=5)
+    else:
+      out[i] = dict(color=IMPL_COLORS.get(i, PALETTE[k % len(PALETTE)]),
+                    lw=1.6, marker=IMPL_MARKERS.get(i, "osD^v<>ph*"[k % 10]),
+                    ms=6, zorder=3, alpha=0.9)
+      k += 1
+  return out
+
+
+def _ms_axis(ax):
+  from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+  ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 1.5, 2.0, 3.0,
+                                                      5.0, 7.0)))
+  ax.yaxis.set_major_formatter(FuncFormatter(
+      lambda v, _: f"{v:g}"))
+  ax.yaxis.set_minor_formatter(NullFormatter())
+
+
+def _bytes_axis(ax):
+  from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+  ax.xaxis.set_major_locator(LogLocator(base=10))
+  def tick(v, _):
+    for unit, f in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+      if v >= f:
+        return f"{v / f:g} {unit}"
+    return f"{v:g} B"
+  ax.xaxis.set_major_formatter(FuncFormatter(tick))
+  ax.xaxis.set_minor_formatter(NullFormatter())
+
+
+def seqlen_figure(records: list[dict], md: dict, path: Path, *,
+                  suite: str = "dense", sources=()) -> Path | None:
+  """Latency and speedup vs sequence length, one column per mode, for each
+  shape family with >= 2 lengths (the family with most lengths first)."""
+  by = index(records)
+  shapes = shapes_of(records)
+  fams: dict[tuple, list[tuple]] = {}
+  for s in shapes:
+    fams.setdefault(family_key(s), []).append(s)
+  fams = {f: sorted(v, key=lambda s: s[3]) for f, v in fams.items()
+          if len({s[3] for s in v}) >= 2}
+  if not fams:
+    return None
+  plt = _plt()
+  impls = impls_of(records)
+  styles = _impl_styles(impls)
+  fam_list = sorted(fams, key=lambda f: -len(fams[f]))
+  modes = [m for m in MODES if any(ok(by.get((s, i, m))) for s in shapes
+                                   for i in impls)]
+  nrows = 2 * len(fam_list)
+  fig, axes = plt.subplots(nrows, len(modes), figsize=(6.2 * len(modes) + 3.2,
+                                                       3.4 * nrows),
+                           squeeze=False)
+  handles = {}
+  for fi, fam in enumerate(fam_list):
+    fs = fams[fam]
+    tokens = {s[0] * s[3] for s in fs}
+    bnote = (f"batch × length = {tokens.pop():,} tokens per call"
+             if len(tokens) == 1 else "batch: " + ", ".join(
+                 f"B{s[0]}@S{s[3]}" for s in fs))
+    for mi, mode in enumerate(modes):
+      ax_l, ax_s = axes[2 * fi][mi], axes[2 * fi + 1][mi]
+      for impl in impls:
+        pts = [(s[3], by[(s, impl, mode)]["ms"]) for s in fs
+               if ok(by.get((s, impl, mode)))]
+        if not pts:
+          continue
+        xs, ys = zip(*pts)
+        h, = ax_l.plot(xs, ys, label=impl_name(impl, md), **styles[impl])
+        handles.setdefault(impl, h)
+        if impl != "ours":
+          sp = [(s[3], by[(s, impl, mode)]["ms"] / by[(s, "ours", mode)]["ms"])
+                for s in fs if ok(by.get((s, impl, mode)))
+                and ok(by.get((s, "ours", mode)))]
+          if sp:
+            ax_s.plot(*zip(*sp), **styles[impl])
+      ax_s.axhline(1.0, color=OURS_COLOR, lw=2.0, ls="--", zorder=4)
+      lens = sorted({s[3] for s in fs})
+      for ax in (ax_l, ax_s):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(lens)
+        ax.set_xticklabels([f"{x:,}" for x in lens])
+        ax.minorticks_off()
+        ax.grid(True, alpha=0.3)
+      ax_l.set_yscale("log")
+      _ms_axis(ax_l)
+      ax_l.set_ylabel("median time per call (ms, log)")
+      ax_l.set_title(f"{MODE_TITLE[mode]} — {family_label(fam)}\n{bnote}",
+                     fontsize=10.5)
+      ax_s.set_ylabel("competitor time ÷ foldax time\n"
+                      "(red dashes = foldax; above: foldax faster)")
+      ax_s.set_xlabel("sequence length (tokens)")
+  fig.legend([handles[i] for i in impls if i in handles],
+             [impl_name(i, md) for i in impls if i in handles],
+             loc="center right", frameon=False, bbox_to_anchor=(1.0, 0.5))
+  gpu = device_label(md)
+  fig.suptitle(f"How does time grow with sequence length? ({suite}, {gpu})")
+  _footer(fig, provenance(md, list(sources)))
+  right = 1 - 3.0 / (6.2 * len(modes) + 3.2)
+  fig.tight_layout(rect=(0, 0.03, right, 0.97))
+  fig.savefig(path, dpi=130)
+  plt.close(fig)
+  return path
+
+
+def memory_figure(records: list[dict], md: dict, path: Path, *,
+                  suite: str = "dense", sources=()) -> Path | None:
+  """Horizontal bars (log x) of peak memory per implementation, one panel per
+  shape; forward+backward dark, forward light."""
+  by = index(records)
+  shapes = shapes_of(records)
+  impls = [i for i in impls_of(records)
+           if any(by.get((s, i, m), {}).get("peak_mem_bytes")
+                  for s in shapes for m in MODES)]
+  if not impls:
+    return None
+  plt = _plt()
+  import matplotlib.patches as mpatches
+  ncol = min(2, len(shapes))
+  nrow = math.ceil(len(shapes) / ncol)
+  fig, axes = plt.subplots(nrow, ncol, figsize=(3.0 + 5.4 * ncol, 0.9 + 0.48 *
+                                                len(impls) * nrow + 0.9 * nrow),
+                           squeeze=False)
+  for ax in axes.flat[len(shapes):]:
+    ax.axis("off")
+  col_of = {id(ax): c for r_ in axes for c, ax in enumerate(r_)}
+  allv = [by[(s, i, m)]["peak_mem_bytes"] for s in shapes for i in impls
+          for m in MODES if by.get((s, i, m), {}).get("peak_mem_bytes")]
+  lo, hi = min(allv), max(allv)
+  for ax, s in zip(axes.flat, shapes):
+    ys = list(range(len(impls)))[::-1]
+    ours_fb = (by.get((s, "ours", "fwd+bwd")) or {}).get("peak_mem_bytes")
+    for y, impl in zip(ys, impls):
+      col = OURS_COLOR if impl == "ours" else "#4c72b0"
+      fb = (by.get((s, impl, "fwd+bwd")) or {}).get("peak_mem_bytes")
+      fw = (by.get((s, impl, "fwd")) or {}).get("peak_mem_bytes")
+      if fb:
+        ax.barh(y + 0.19, fb, height=0.38, color=col)
+        lab = fmt_bytes(fb)
+        if ours_fb and impl != "ours":
+          lab += f"  ({fb / ours_fb:.1f}× ours)"
+        ax.text(fb * 1.08, y + 0.19, lab, va="center", fontsize=8)
+      if fw:
+        ax.barh(y - 0.19, fw, height=0.38, color=col, alpha=0.35)
+        ax.text(fw * 1.08, y - 0.19, fmt_bytes(fw), va="center", fontsize=7.5,
+                color="#555555")
+    ax.set_yticks(ys)
+    if col_of[id(ax)] == 0:
+      ax.set_yticklabels([impl_name(i, md) for i in impls], fontsize=8.5)
+      for t, impl in zip(ax.get_yticklabels(), impls):
+        if impl == "ours":
+          t.set_color(OURS_COLOR)
+          t.set_fontweight("bold")
+    else:
+      ax.set_yticklabels([])
+    ax.set_xscale("log")
+    ax.set_xlim(lo / 1.5, hi * 8)
+    _bytes_axis(ax)
+    ax.set_title(shape_label(s), fontsize=10.5)
+    ax.set_xlabel("peak memory one call adds over its inputs (log scale)")
+    ax.grid(True, axis="x", alpha=0.3)
+    ax.tick_params(axis="y", length=0)
+  handles = [mpatches.Patch(color="#4c72b0", label="forward + backward"),
+             mpatches.Patch(color="#4c72b0", alpha=0.35, label="forward"),
+             mpatches.Patch(color=OURS_COLOR, label="foldax (ours)")]
+  fig.legend(handles=handles, loc="upper center", ncol=3, frameon=False,
+             bbox_to_anchor=(0.5, 0.955))
+  gpu = device_label(md)
+  fig.suptitle(f"How much memory does attention need? ({suite}, {gpu})")
+  conv = (md.get("conventions") or {}).get("peak_mem_bytes", "")
+  _footer(fig, (("JAX: XLA buffer assignment (temporaries + outputs); "
+                 "torch: max_memory_allocated after a reset, minus what was "
+                 "allocated before the call.\n" if conv else "")
+                + provenance(md, list(sources))))
+  fig.tight_layout(rect=(0, 0.045, 1, 0.93))
+  fig.savefig(path, dpi=130)
+  plt.close(fig)
+  return path
+
+
+def _first(r: dict, keys) -> Any:
+  for k in keys:
+    if r.get(k) is not None:
+      return k, r[k]
+  return None, None
+
+
+def decode_points(records: list[dict]) -> dict:
+  """{(impl, label): [(context, TB/s), ...]} from decode records, whatever
+  bandwidth/context key names the decode suite uses."""
+  out: dict[tuple, list] = {}
+  for r in records:
+    if r.get("error") and r.get("ms") is None:
+      continue
+    _, bw = _first(r, BW_KEYS_TBS)
+    if bw is None:
+      _, g = _first(r, BW_KEYS_GBS)
+      bw = g / 1e3 if g is not None else None
+    _, ctx = _first(r, CTX_KEYS)
+    if bw is None or ctx is None:
+      continue
+    extra = []
+    for k in ("B", "batch"):
+      if r.get(k) is not None:
+        extra.append(f"B{r[k]}")
+        break
+    if r.get("Hq") is not None and r.get("Hkv") is not None:
+      extra.append(f"H{r['Hq']}/KV{r['Hkv']}")
+    for k in ("D", "head_dim"):
+      if r.get(k) is not None:
+        extra.append(f"D{r[k]}")
+        break
+    for k in ("variant", "config", "mode"):
+      if r.get(k) not in (None, "", "decode"):
+        extra.append(str(r[k]))
+    out.setdefault((r.get("impl", "?"), " ".join(extra)), []).append(
+        (float(ctx), float(bw)))
+  return {k: sorted(v) for k, v in out.items()}
+
+
+def _tokens(x: float) -> str:
+  x = int(x)
+  if x >= 1024 and x % 1024 == 0:
+    return f"{x // 1024}k"
+  return f"{x:,}"
+
+
+def decode_figure(records: list[dict], md: dict, path: Path, *,
+                  sources=()) -> Path | None:
+  pts = decode_points(records)
+  if not pts:
+    return None
+  plt = _plt()
+  configs = sorted({c for _, c in pts})
+  impls = sorted({i for i, _ in pts}, key=lambda i: (
+      IMPL_ORDER.index(i) if i in IMPL_ORDER else len(IMPL_ORDER), i))
+  styles = _impl_styles(impls)
+  n = len(configs)
+  ncol = min(2, n)
+  nrow = math.ceil(n / ncol)
+  fig, axes = plt.subplots(nrow, ncol, figsize=(6.8 * ncol + 2.8, 3.8 * nrow),
+                           squeeze=False)
+  for ax in axes.flat[n:]:
+    ax.axis("off")
+  gpu = str(md.get("gpu_name") or md.get("device_kind") or "CPU")
+  peak = next((v for k, v in HBM_PEAK_TBS.items() if k in gpu), None)
+  handles = {}
+  for ax, cfg in zip(axes.flat, configs):
+    for impl in impls:
+      p = pts.get((impl, cfg))
+      if not p:
+        continue
+      h, = ax.plot(*zip(*p), label=impl_name(impl, md), **styles[impl])
+      handles.setdefault(impl, h)
+    if peak:
+      ax.axhline(peak, color="#444444", ls=":", lw=1.2)
+      ax.text(0.01, peak, f" HBM peak {peak} TB/s", transform=(
+          ax.get_yaxis_transform()), va="bottom", fontsize=8, color="#444444")
+    ax.set_xscale("log", base=2)
+    ctxs = sorted({x for (i, c), p in pts.items() if c == cfg for x, _ in p})
+    ax.set_xticks(ctxs)
+    ax.set_xticklabels([_tokens(x) for x in ctxs])
+    ax.minorticks_off()
+    ax.set_xlabel("context length (tokens in the KV cache)")
+    ax.set_ylabel("achieved bandwidth (TB/s)")
+    top = max([peak or 0] + [y for (i, c), p in pts.items() if c == cfg
+                             for _, y in p])
+    ax.set_ylim(0, top * 1.12)
+    ax.set_title(cfg or "decode", fontsize=10.5)
+    ax.grid(True, alpha=0.3)
+  fig.legend([handles[i] for i in impls if i in handles],
+             [impl_name(i, md) for i in impls if i in handles],
+             loc="center right", frameon=False)
+  fig.suptitle("How close to the memory bandwidth does decode get? "
+               f"({device_label(md)})")
+  _footer(fig, "bandwidth = bytes of K/V (and queries) read per step ÷ "
+          "median step time.  " + provenance(md, list(sources)))
+  fig.tight_layout(rect=(0, 0.04, 1 - 2.6 / (6.8 * ncol + 2.8), 0.95))
+  fig.savefig(path, dpi=130)
+  plt.close(fig)
+  return path
+
+
+# ----------------------------------------------------------------------------
+# Table
+# ----------------------------------------------------------------------------
+def _cell(r: dict | None, with_tflops: bool = True) -> str:
+  if not r:
+    return ""
+  if not ok(r):
+    e = str(r.get("error") or "")
+    return "skipped" if e.startswith("skipped") else "error"
+  s = f"{fmt_ms(r['ms'])}"
+  t = r.get("tflops")
+  if with_tflops and t is not None:
+    s += f" ({t:.0f})" if t >= 10 else f" ({t:.2g})"
+  return s
+
+
+def suite_table(name: str, suite: dict, md: dict) -> list[str]:
+  recs = suite.get("records", [])
+  by = index(recs)
+  shapes = shapes_of(recs)
+  impls = [i for i in impls_of(recs)]
+  failed = sorted({r["impl"] for r in recs if r.get("mode") in MODES
+                   and not ok(r)} - set(impls))
+  lines: list[str] = []
+  has_tflops = any(r.get("tflops") for r in recs)
+  for s in shapes:
+    lines.append(f"\n**{shape_label(s)}**\n")
+    unit = " ms (TFLOP/s)" if has_tflops else " ms"
+    hdr = ["implementation", "forward" + unit, "forward+backward" + unit,
+           "foldax speedup fwd / fwd+bwd", "peak memory fwd+bwd",
+           "backward bitwise repeatable"]
+    lines.append("| " + " | ".join(hdr) + " |")
+    lines.append("|---|---:|---:|---:|---:|---|")
+    o = {m: by.get((s, "ours", m)) for m in MODES}
+    for impl in impls + failed:
+      rs = {m: by.get((s, impl, m)) for m in MODES}
+      if not any(rs.values()):
+        continue
+      sp = []
+      for m in MODES:
+        if impl != "ours" and ok(rs[m]) and ok(o[m]):
+          sp.append(f"{rs[m]['ms'] / o[m]['ms']:.2f}×")
+        else:
+          sp.append("–")
+      rep = (rs["fwd+bwd"] or {}).get("bitwise_repeatable")
+      name_ = impl_name(impl, md)
+      if impl == "ours":
+        name_ = f"**{name_}**"
+      mem = fmt_bytes((rs["fwd+bwd"] or {}).get("peak_mem_bytes"))
+      lines.append("| " + " | ".join([
+          name_, _cell(rs["fwd"], has_tflops) or "–",
+          _cell(rs["fwd+bwd"], has_tflops) or "–",
+          "–" if impl == "ours" else " / ".join(sp), mem,
+          "–" if rep is None else ("yes" if rep else "**no**")]) + " |")
+  checks = [r for r in recs if r.get("mode") == "check"
+            and any(k.startswith("rel_err") for k in r)]
+  if checks:
+    lines.append("\nAccuracy of foldax (relative L2 error against "
+                 f"{checks[0].get('reference', 'the reference')}):\n")
+    lines.append("| shape | out | dq | dk | dv |")
+    lines.append("|---|---:|---:|---:|---:|")
+    for r in checks:
+      lines.append("| " + " | ".join(
+          [shape_label(shape_key(r))] + [
+              f"{r[f'rel_err_{k}']:.1e}" if r.get(f"rel_err_{k}") is not None
+              else "–" for k in ("out", "dq", "dk", "dv")]) + " |")
+  return lines
+
+
+def decode_table(suite: dict, md: dict) -> list[str]:
+  pts = decode_points(suite.get("records", []))
+  if not pts:
+    return []
+  lines = ["\n| implementation | config | context | TB/s |",
+           "|---|---|---:|---:|"]
+  for (impl, cfg), p in pts.items():
+    for ctx, bw in p:
+      lines.append(f"| {impl_name(impl, md)} | {cfg} | {int(ctx):,} | "
+                   f"{bw:.2f} |")
+  return lines
+
+
+def write_table(data: dict, out_dir: Path, figures: list[Path]) -> Path:
+  md = data["metadata"]
+  v = md.get("versions") or {}
+  L = ["# Benchmark results", ""]
+  gpu = device_label(md)
+  cc = md.get("compute_capability") or md.get("jax_compute_capability")
+  L.append(f"- {'GPU' if md.get('gpu_name') else 'device'}: {gpu}" + (f" (compute capability {cc})" if cc else "")
+           + (f", driver {md['driver']}" if md.get("driver") else ""))
+  L.append(f"- date: {md.get('date', '?')}; commit: "
+           f"{md.get('git_commit', '?')}")
+  vs = ", ".join(f"{k} {x}" for k, x in v.items() if x)
+  if vs:
+    L.append(f"- versions: {vs}")
+  if md.get("device_command"):
+    L.append(f"- command (device): `{md['device_command']}`")
+  if md.get("command"):
+    L.append(f"- command: `{md['command']}`")
+  L.append("- source JSON: " + ", ".join(
+      f"[`{Path(s).name}`]({os.path.relpath(Path(s).resolve(), out_dir.resolve())})"
+      for s in data["sources"]))
+  def rel(p):
+    p = Path(p).resolve()
+    try:
+      return str(p.relative_to(REPO))
+    except ValueError:
+      return str(p)
+  L.append("- figures and this table: `python -m benchmarks.plot "
+           + " ".join(rel(s) for s in data["sources"])
+           + f" --output-dir {rel(out_dir)}/`")
+  conv = md.get("conventions") or {}
+  if conv:
+    L.append("\nTimes are medians; in parentheses TFLOP/s "
+             f"({conv.get('flops', '')}). Speedup = competitor's time ÷ "
+             "foldax's time (> 1: foldax is faster). Peak memory: bytes one "
+             "call adds over its inputs.")
+  if figures:
+    L.append("\nFigures: " + ", ".join(f"[{p.stem}]({p.name})"
+                                       for p in figures))
+  for name, suite in data["suites"].items():
+    L.append(f"\n## {name}")
+    status = suite.get("status", "ok")
+    if status != "ok" or suite.get("note"):
+      L.append(f"\nstatus: {status}" + (f" — {suite['note']}"
+                                        if suite.get("note") else ""))
+    if name == "decode":
+      L.extend(decode_table(suite, md))
+      if any(r.get("mode") in MODES for r in suite.get("records", [])):
+        L.extend(suite_table(name, suite, md))
+    else:
+      L.extend(suite_table(name, suite, md))
+  p = out_dir / "table.md"
+  p.write_text("\n".join(L).rstrip() + "\n")
+  return p
+
+
+# ----------------------------------------------------------------------------
+# Main
+# ----------------------------------------------------------------------------
+def plot_all(paths: list[str], out_dir: str | os.PathLike | None = None,
+             ) -> list[Path]:
+  data = load(paths)
+  out = Path(out_dir) if out_dir else REPO / "benchmarks" / "results" / \
+      gpu_slug(data["metadata"])
+  out.mkdir(parents=True, exist_ok=True)
+  figs: list[Path] = []
+  for name, suite in data["suites"].items():
+    recs = suite.get("records", [])
+    md = dict(data["metadata"])
+    md.update({k: v for k, v in (suite.get("metadata") or {}).items()
+               if k in ("versions",) and v})
+    if not recs:
+      continue
+    if name == "decode":
+      p = decode_figure(recs, md, out / "decode_bandwidth.png",
+                        sources=data["sources"])
+      if p:
+        figs.append(p)
+    for fn, stem in ((speedup_figure, "speedup"),
+                     (seqlen_figure, "latency_vs_seqlen"),
+                     (memory_figure, "memory")):
+      p = fn(recs, md, out / f"{name}_{stem}.png", suite=name,
+             sources=data["sources"])
+      if p:
+        figs.append(p)
+  figs.append(write_table(data, out, figs))
+  return figs
+
+
+def main(argv: list[str] | None = None) -> int:
+  ap = argparse.ArgumentParser(prog="python -m benchmarks.plot",
+                               description=__doc__.split("\n\n")[0])
+  ap.add_argument("json", nargs="+", help="benchmark JSON file(s)")
+  ap.add_argument("--output-dir", "-o", default=None,
+                  help="default: benchmarks/results/<gpu>/")
+  args = ap.parse_args(argv)
+  for p in plot_all(args.json, args.output_dir):
+    print(p)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
