@@ -354,10 +354,10 @@ class FoldKVCache:
         raise ValueError(f"the prompts need {int(total)} page(s) but only "
                          f"{int(self.n_free)} of {cfg.num_pages} are free; "
                          "the cache is unchanged.")
-    out = fold_attn_varlen_func(q, k, v, cu, max_seqlen_q=mq, causal=True,
-                                softmax_scale=softmax_scale, sinks=sinks,
-                                window_size=window_size, softcap=softcap,
-                                backend=backend)
+    out = _prefill_attention(q, k, v, cu, sinks, max_seqlen=mq,
+                             softmax_scale=softmax_scale,
+                             window_size=tuple(window_size), softcap=softcap,
+                             backend=backend)
     mp = cfg.max_pages if mq is None else min(cfg.max_pages,
                                               _cdiv(int(mq), cfg.page_size))
     return out, _prefill_core(self, k, v, cu, seq_ids, mp=mp)
@@ -392,6 +392,21 @@ class FoldKVCache:
 # ----------------------------------------------------------------------------
 # Jitted cores (one dispatch per call eagerly; inlined under an outer jit)
 # ----------------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnames=(
+    "max_seqlen", "softmax_scale", "window_size", "softcap", "backend"))
+def _prefill_attention(q, k, v, cu, sinks, *, max_seqlen, softmax_scale,
+                       window_size, softcap, backend):
+  return fold_attn_varlen_func(q, k, v, cu, max_seqlen_q=max_seqlen,
+                               causal=True, softmax_scale=softmax_scale,
+                               sinks=sinks, window_size=window_size,
+                               softcap=softcap, backend=backend)
+
+
+_xla_decode_jit = jax.jit(xla_decode, static_argnames=(
+    "softmax_scale", "window_left", "softcap", "depth", "v8_depth",
+    "return_reference"))
+
+
 def _check_append(cfg: CacheConfig, k, v, active):
   for name, x in (("k", k), ("v", v)):
     val.check_array(name, x, ndim=(3, 4),
@@ -630,8 +645,8 @@ def _decode(cache: FoldKVCache, q, *, softmax_scale, sinks, window_size,
             v_scale=cache.v_scale, summaries=cache.summaries,
             v8_depth=cfg.v8_depth)
   if be == "xla":
-    return xla_decode(q, cache.k_pages, cache.v_pages, cache.block_table,
-                      cache.lengths_, **kw)
+    return _xla_decode_jit(q, cache.k_pages, cache.v_pages, cache.block_table,
+                           cache.lengths_, **kw)
   interpret = be == "interpret"
   return paged_decode(q, cache.k_pages, cache.v_pages, cache.block_table,
                       cache.lengths_, chunk_tokens=cfg.chunk_tokens,

@@ -10,6 +10,8 @@ contiguous layouts give identical bits).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -136,16 +138,25 @@ def paged_decode(q, k_pages, v_pages, block_table, lengths, *, page_size=None,
                    compute_capability=compute_capability, blocks=blocks)
   if spec.summaries and summaries is None:
     raise ValueError("depth decoding needs the page summaries.")
-  qa = arrange_queries(q, hkv, spec.d_pad)
-  out, ref = fold_decode(
-      qa, k_pages, v_pages, jnp.asarray(block_table, jnp.int32),
-      jnp.asarray(lengths, jnp.int32), spec=spec, v_res=v_res,
-      v_scale=v_scale, summaries=summaries if spec.summaries else None,
-      sinks=sinks, fallback=fallback)
-  out = unarrange_output(out, q_len, hq, d)
+  out, ref = _paged_decode(
+      q, k_pages, v_pages, jnp.asarray(block_table, jnp.int32),
+      jnp.asarray(lengths, jnp.int32), v_res, v_scale,
+      summaries if spec.summaries else None, sinks, spec=spec,
+      fallback=fallback)
   if squeeze:
     out = out[:, 0]
   return (out, ref) if return_reference else out
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "fallback"))
+def _paged_decode(q, k_pages, v_pages, block_table, lengths, v_res, v_scale,
+                  summaries, sinks, *, spec, fallback):
+  b, q_len, hq, d = q.shape
+  qa = arrange_queries(q, k_pages.shape[2], spec.d_pad)
+  out, ref = fold_decode(qa, k_pages, v_pages, block_table, lengths,
+                         spec=spec, v_res=v_res, v_scale=v_scale,
+                         summaries=summaries, sinks=sinks, fallback=fallback)
+  return unarrange_output(out, q_len, hq, d), ref
 
 
 def contiguous_as_pages(k, page_size: int):
