@@ -1,0 +1,548 @@
+"""Flax linen DeBERTa-v2/v3 whose parameter tree mirrors Hugging Face's.
+
+HF name -> params path: dots become nesting, `weight` becomes `kernel`
+(Linear, transposed), `embedding` (Embedding) or `scale` (LayerNorm), so
+`encoder.layer.3.attention.self.query_proj.weight` is
+`params["encoder"]["layer"]["3"]["attention"]["self"]["query_proj"]["kernel"]`
+(see `convert.py`). Attention runs through
+`jax_api.deberta.disentangled_attention` (Pallas kernels on GPU).
+
+Inputs may be a padded batch (`input_ids [batch, seq]` with an optional
+`attention_mask`) or packed sequences (`input_ids [total]` with
+`cu_seqlens`); positions restart in each packed sequence, and a padded batch
+and its packed form give the same hidden states on real tokens. Conventions
+differ from HF on padded tokens only: HF's attention averages all values for
+a fully masked query row, here it outputs 0 (the last hidden state of
+padded tokens differs; real tokens agree).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jax_api.deberta.attention import disentangled_attention
+
+_ACTS = {
+    "gelu": lambda x: nn.gelu(x, approximate=False),
+    "gelu_new": lambda x: nn.gelu(x, approximate=True),
+    "gelu_pytorch_tanh": lambda x: nn.gelu(x, approximate=True),
+    "gelu_fast": lambda x: nn.gelu(x, approximate=True),
+    "relu": nn.relu,
+    "tanh": jnp.tanh,
+    "silu": nn.silu,
+    "swish": nn.silu,
+    "sigmoid": nn.sigmoid,
+}
+
+
+def activation(name: str):
+  try:
+    return _ACTS[name]
+  except KeyError:
+    raise ValueError(f"unsupported activation {name!r}; supported: "
+                     f"{sorted(_ACTS)}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class DebertaV2Config:
+  """The fields of transformers' DebertaV2Config the encoder uses (HF
+  defaults), with HF's resolution of max_relative_positions and
+  pos_att_type applied by `from_hf`."""
+
+  vocab_size: int = 128100
+  hidden_size: int = 1536
+  num_hidden_layers: int = 24
+  num_attention_heads: int = 24
+  intermediate_size: int = 6144
+  hidden_act: str = "gelu"
+  hidden_dropout_prob: float = 0.1
+  attention_probs_dropout_prob: float = 0.1
+  max_position_embeddings: int = 512
+  type_vocab_size: int = 0
+  layer_norm_eps: float = 1e-7
+  relative_attention: bool = False
+  max_relative_positions: int = -1
+  position_buckets: int = -1
+  pos_att_type: tuple[str, ...] = ()
+  share_att_key: bool = False
+  norm_rel_ebd: str = "none"
+  position_biased_input: bool = True
+  embedding_size: int | None = None
+  pad_token_id: int = 0
+  attention_head_size: int | None = None
+  conv_kernel_size: int = 0
+  conv_groups: int = 1
+  conv_act: str = "tanh"
+  pooler_hidden_size: int | None = None
+  pooler_hidden_act: str = "gelu"
+  pooler_dropout: float = 0.0
+  num_labels: int = 2
+
+  @classmethod
+  def from_hf(cls, hf_config) -> "DebertaV2Config":
+    """From a transformers DebertaV2Config (or its to_dict())."""
+    d = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
+    kw = {}
+    for f in dataclasses.fields(cls):
+      if f.name in d and d[f.name] is not None:
+        kw[f.name] = d[f.name]
+    pat = d.get("pos_att_type") or ()
+    if isinstance(pat, str):
+      pat = [x.strip() for x in pat.lower().split("|") if x.strip()]
+    kw["pos_att_type"] = tuple(pat)
+    if "id2label" in d and d["id2label"]:
+      kw["num_labels"] = len(d["id2label"])
+    return cls(**kw)
+
+  def to_hf_dict(self) -> dict:
+    d = dataclasses.asdict(self)
+    d["pos_att_type"] = list(self.pos_att_type)
+    for key in ("embedding_size", "attention_head_size", "pooler_hidden_size"):
+      if d[key] is None:
+        del d[key]
+    d.pop("num_labels")
+    return d
+
+  @property
+  def head_size(self) -> int:
+    return self.attention_head_size or (self.hidden_size //
+                                        self.num_attention_heads)
+
+  @property
+  def resolved_max_relative_positions(self) -> int:
+    m = self.max_relative_positions
+    return self.max_position_embeddings if m < 1 else m
+
+  @property
+  def pos_ebd_size(self) -> int:
+    """HF's att_span: rel_embeddings has 2 * pos_ebd_size rows."""
+    if self.position_buckets > 0:
+      return self.position_buckets
+    return self.resolved_max_relative_positions
+
+  @property
+  def norm_rel_ebd_list(self) -> list[str]:
+    return [x.strip() for x in self.norm_rel_ebd.lower().split("|")]
+
+
+def _dense(features, cfg, dtype, param_dtype, use_bias=True, name=None):
+  return nn.Dense(features, use_bias=use_bias, dtype=dtype,
+                  param_dtype=param_dtype, name=name,
+                  kernel_init=nn.initializers.normal(0.02))
+
+
+def _layer_norm(cfg, dtype, param_dtype, name=None):
+  return nn.LayerNorm(epsilon=cfg.layer_norm_eps, dtype=dtype,
+                      param_dtype=param_dtype, name=name)
+
+
+class _Common(nn.Module):
+  config: DebertaV2Config
+  dtype: Any = jnp.float32  # computation dtype
+  param_dtype: Any = jnp.float32
+  attention_backend: str = "auto"
+
+
+class DebertaV2SelfAttention(_Common):
+  """HF `DisentangledSelfAttention`: projections + disentangled attention.
+
+  __call__(hidden, attention_mask, rel_embeddings, cu_seqlens=None,
+  max_seqlen=None, deterministic=True): hidden [batch, seq, hidden] (or
+  packed [total, hidden] with cu_seqlens); rel_embeddings [2*att_span,
+  hidden] (the encoder's normalised relative embeddings).
+  """
+
+  def setup(self):
+    cfg = self.config
+    all_head = cfg.num_attention_heads * cfg.head_size
+    mk = lambda name, bias=True: _dense(all_head, cfg, self.dtype,
+                                        self.param_dtype, bias, name)
+    self.query_proj = mk("query_proj")
+    self.key_proj = mk("key_proj")
+    self.value_proj = mk("value_proj")
+    if cfg.relative_attention and not cfg.share_att_key:
+      if "c2p" in cfg.pos_att_type:
+        self.pos_key_proj = mk("pos_key_proj")
+      if "p2c" in cfg.pos_att_type:
+        self.pos_query_proj = mk("pos_query_proj")
+    self.pos_dropout = nn.Dropout(cfg.hidden_dropout_prob)
+
+  def __call__(self, hidden, attention_mask=None, rel_embeddings=None, *,
+               cu_seqlens=None, max_seqlen=None, deterministic: bool = True):
+    cfg = self.config
+    heads, hd = cfg.num_attention_heads, cfg.head_size
+    split = lambda x: x.reshape(*x.shape[:-1], heads, hd)
+    q = split(self.query_proj(hidden))
+    k = split(self.key_proj(hidden))
+    v = split(self.value_proj(hidden))
+    types = tuple(cfg.pos_att_type)
+    n_terms = 1 + ("c2p" in types) + ("p2c" in types)
+    pk = pq = None
+    if cfg.relative_attention:
+      rel = self.pos_dropout(rel_embeddings, deterministic=deterministic)
+      rel = rel[: 2 * cfg.pos_ebd_size].astype(self.dtype)
+      if "c2p" in types:
+        proj = self.key_proj if cfg.share_att_key else self.pos_key_proj
+        pk = split(proj(rel))
+      if "p2c" in types:
+        proj = self.query_proj if cfg.share_att_key else self.pos_query_proj
+        pq = split(proj(rel))
+    else:
+      # HF still divides by sqrt(head_dim * n_terms) without position terms.
+      q = q * jnp.asarray(1.0 / n_terms ** 0.5, q.dtype)
+      types = ()
+    rate = cfg.attention_probs_dropout_prob
+    rng = None
+    if deterministic or rate == 0.0:
+      rate = 0.0
+    else:
+      rng = self.make_rng("dropout")
+    out = disentangled_attention(
+        q, k, v, pk, pq,
+        attention_mask=None if cu_seqlens is not None else attention_mask,
+        cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+        position_buckets=cfg.position_buckets,
+        max_relative_positions=cfg.resolved_max_relative_positions,
+        pos_att_type=types, dropout_rate=rate, dropout_rng=rng,
+        backend=self.attention_backend)
+    return out.reshape(*out.shape[:-2], heads * hd)
+
+
+class DebertaV2SelfOutput(_Common):
+
+  def setup(self):
+    cfg = self.config
+    self.dense = _dense(cfg.hidden_size, cfg, self.dtype, self.param_dtype)
+    self.LayerNorm = _layer_norm(cfg, self.dtype, self.param_dtype)
+    self.dropout = nn.Dropout(cfg.hidden_dropout_prob)
+
+  def __call__(self, hidden, input_tensor, deterministic=True):
+    h = self.dropout(self.dense(hidden), deterministic=deterministic)
+    return self.LayerNorm(h + input_tensor)
+
+
+class DebertaV2Attention(_Common):
+
+  def setup(self):
+    kw = dict(config=self.config, dtype=self.dtype,
+              param_dtype=self.param_dtype,
+              attention_backend=self.attention_backend)
+    self.self = DebertaV2SelfAttention(**kw)
+    self.output = DebertaV2SelfOutput(**kw)
+
+  def __call__(self, hidden, attention_mask, rel_embeddings, *,
+               cu_seqlens=None, max_seqlen=None, deterministic=True):
+    ctx = self.self(hidden, attention_mask, rel_embeddings,
+                    cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                    deterministic=deterministic)
+    return self.output(ctx, hidden, deterministic=deterministic)
+
+
+class DebertaV2Intermediate(_Common):
+
+  def setup(self):
+    self.dense = _dense(self.config.intermediate_size, self.config,
+                        self.dtype, self.param_dtype)
+
+  def __call__(self, hidden):
+    return activation(self.config.hidden_act)(self.dense(hidden))
+
+
+class DebertaV2Output(_Common):
+
+  def setup(self):
+    cfg = self.config
+    self.dense = _dense(cfg.hidden_size, cfg, self.dtype, self.param_dtype)
+    self.LayerNorm = _layer_norm(cfg, self.dtype, self.param_dtype)
+    self.dropout = nn.Dropout(cfg.hidden_dropout_prob)
+
+  def __call__(self, hidden, input_tensor, deterministic=True):
+    h = self.dropout(self.dense(hidden), deterministic=deterministic)
+    return self.LayerNorm(h + input_tensor)
+
+
+class DebertaV2Layer(_Common):
+
+  def setup(self):
+    kw = dict(config=self.config, dtype=self.dtype,
+              param_dtype=self.param_dtype,
+              attention_backend=self.attention_backend)
+    self.attention = DebertaV2Attention(**kw)
+    self.intermediate = DebertaV2Intermediate(**kw)
+    self.output = DebertaV2Output(**kw)
+
+  def __call__(self, hidden, attention_mask, rel_embeddings, *,
+               cu_seqlens=None, max_seqlen=None, deterministic=True):
+    att = self.attention(hidden, attention_mask, rel_embeddings,
+                         cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                         deterministic=deterministic)
+    return self.output(self.intermediate(att), att,
+                       deterministic=deterministic)
+
+
+class _LayerCollection(_Common):
+  """Holds the layers under the names "0", "1", ... (HF's `layer.{i}`)."""
+
+  def setup(self):
+    self.layers = [
+        DebertaV2Layer(config=self.config, dtype=self.dtype,
+                       param_dtype=self.param_dtype,
+                       attention_backend=self.attention_backend, name=str(i))
+        for i in range(self.config.num_hidden_layers)]
+
+  def __call__(self, i, *args, **kwargs):
+    return self.layers[i](*args, **kwargs)
+
+
+def _same_sequence_shift(x, shift, cu_seqlens):
+  """x shifted by `shift` tokens along the sequence axis, zero where the
+  source token is outside the sequence. x: [batch, seq, c] or packed
+  [total, c] (with cu_seqlens)."""
+  axis = x.ndim - 2
+  n = x.shape[axis]
+  idx = jnp.arange(n) + shift
+  inside = (idx >= 0) & (idx < n)
+  if cu_seqlens is not None:
+    sid = jnp.searchsorted(cu_seqlens, jnp.arange(n), side="right")
+    src = jnp.clip(idx, 0, n - 1)
+    inside &= sid[src] == sid
+  y = jnp.take(x, jnp.clip(idx, 0, n - 1), axis=axis)
+  return jnp.where(inside[:, None], y, 0)
+
+
+class _ConvParams(nn.Module):
+  """`encoder.conv.conv`: kernel [kernel_size, hidden / groups, hidden] (HF
+  weight [hidden, hidden / groups, kernel_size] transposed) and bias."""
+
+  kernel_size: int
+  in_per_group: int
+  features: int
+  param_dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self):
+    kernel = self.param("kernel", nn.initializers.normal(0.02),
+                        (self.kernel_size, self.in_per_group, self.features),
+                        self.param_dtype)
+    bias = self.param("bias", nn.initializers.zeros, (self.features,),
+                      self.param_dtype)
+    return kernel, bias
+
+
+class ConvLayer(_Common):
+  """HF `ConvLayer` (DeBERTa-v2's conv after the first layer), as
+  `encoder.conv` with children `conv` and `LayerNorm`. Never mixes packed
+  sequences."""
+
+  @nn.compact
+  def __call__(self, hidden, residual, input_mask, cu_seqlens=None,
+               deterministic=True):
+    cfg = self.config
+    ks, groups, c = cfg.conv_kernel_size, cfg.conv_groups, cfg.hidden_size
+    cg = c // groups
+    kernel, bias = _ConvParams(ks, cg, c, self.param_dtype, name="conv")()
+    kernel = kernel.astype(self.dtype)
+    pad = (ks - 1) // 2
+    out = jnp.zeros(hidden.shape[:-1] + (c,), jnp.float32)
+    for t in range(ks):
+      xs = _same_sequence_shift(hidden, t - pad, cu_seqlens)
+      xs = xs.reshape(*xs.shape[:-1], groups, cg)
+      # Output channel o = g * cg + p reads input channels of group g.
+      w = kernel[t].reshape(cg, groups, cg).transpose(1, 0, 2)  # [g, in, p]
+      out = out + jnp.einsum("...gi,gip->...gp", xs, w,
+                             preferred_element_type=jnp.float32).reshape(
+                                 out.shape)
+    out = (out + bias).astype(self.dtype)
+    m = input_mask[..., None].astype(out.dtype)
+    out = out * m
+    out = activation(cfg.conv_act)(
+        nn.Dropout(cfg.hidden_dropout_prob)(out, deterministic=deterministic))
+    y = _layer_norm(cfg, self.dtype, self.param_dtype, name="LayerNorm")(
+        residual + out)
+    return y * m
+
+
+class DebertaV2Encoder(_Common):
+  """Layer stack, relative embeddings (with their LayerNorm) and the
+  optional conv. __call__(hidden, attention_mask, ...) -> last hidden state
+  (and, with output_hidden_states, the tuple of all hidden states)."""
+
+  def setup(self):
+    cfg = self.config
+    kw = dict(config=cfg, dtype=self.dtype, param_dtype=self.param_dtype,
+              attention_backend=self.attention_backend)
+    self.layer = _LayerCollection(**kw)
+    if cfg.relative_attention:
+      self.rel_embeddings = nn.Embed(
+          2 * cfg.pos_ebd_size, cfg.hidden_size, dtype=self.dtype,
+          param_dtype=self.param_dtype,
+          embedding_init=nn.initializers.normal(0.02))
+    if "layer_norm" in cfg.norm_rel_ebd_list:
+      self.LayerNorm = _layer_norm(cfg, self.dtype, self.param_dtype)
+    if cfg.conv_kernel_size > 0:
+      self.conv = ConvLayer(config=cfg, dtype=self.dtype,
+                            param_dtype=self.param_dtype)
+
+  def get_rel_embedding(self):
+    cfg = self.config
+    if not cfg.relative_attention:
+      return None
+    rel = self.rel_embeddings.embedding
+    if "layer_norm" in cfg.norm_rel_ebd_list:
+      rel = self.LayerNorm(rel)
+    return rel
+
+  def __call__(self, hidden, attention_mask=None, *, cu_seqlens=None,
+               max_seqlen=None, deterministic: bool = True,
+               output_hidden_states: bool = False):
+    cfg = self.config
+    if attention_mask is not None:
+      input_mask = attention_mask
+    elif cu_seqlens is not None:
+      input_mask = jnp.arange(hidden.shape[0]) < cu_seqlens[-1]
+    else:
+      input_mask = jnp.ones(hidden.shape[:-1], hidden.dtype)
+    rel = self.get_rel_embedding()
+    states = [hidden]
+    h = hidden
+    for i in range(cfg.num_hidden_layers):
+      h = self.layer(i, h, attention_mask, rel, cu_seqlens=cu_seqlens,
+                     max_seqlen=max_seqlen, deterministic=deterministic)
+      if i == 0 and cfg.conv_kernel_size > 0:
+        h = self.conv(hidden, h, input_mask, cu_seqlens=cu_seqlens,
+                      deterministic=deterministic)
+      states.append(h)
+    return (h, tuple(states)) if output_hidden_states else h
+
+
+class DebertaV2Embeddings(_Common):
+
+  def setup(self):
+    cfg = self.config
+    esize = cfg.embedding_size or cfg.hidden_size
+    emb = lambda n: nn.Embed(n, esize, dtype=self.dtype,
+                             param_dtype=self.param_dtype,
+                             embedding_init=nn.initializers.normal(0.02))
+    self.word_embeddings = emb(cfg.vocab_size)
+    if cfg.position_biased_input:
+      self.position_embeddings = emb(cfg.max_position_embeddings)
+    if cfg.type_vocab_size > 0:
+      self.token_type_embeddings = emb(cfg.type_vocab_size)
+    if esize != cfg.hidden_size:
+      self.embed_proj = _dense(cfg.hidden_size, cfg, self.dtype,
+                               self.param_dtype, use_bias=False)
+    self.LayerNorm = _layer_norm(cfg, self.dtype, self.param_dtype)
+    self.dropout = nn.Dropout(cfg.hidden_dropout_prob)
+
+  def __call__(self, input_ids, token_type_ids=None, position_ids=None,
+               mask=None, deterministic=True):
+    cfg = self.config
+    x = self.word_embeddings(input_ids)
+    if cfg.position_biased_input:
+      x = x + self.position_embeddings(position_ids)
+    if cfg.type_vocab_size > 0:
+      if token_type_ids is None:
+        token_type_ids = jnp.zeros_like(input_ids)
+      x = x + self.token_type_embeddings(token_type_ids)
+    if (cfg.embedding_size or cfg.hidden_size) != cfg.hidden_size:
+      x = self.embed_proj(x)
+    x = self.LayerNorm(x)
+    if mask is not None:
+      x = x * mask[..., None].astype(x.dtype)
+    return self.dropout(x, deterministic=deterministic)
+
+
+def packed_positions(cu_seqlens, total: int):
+  """int32 [total]: position of each packed token in its sequence (0 past
+  cu_seqlens[-1])."""
+  t = jnp.arange(total, dtype=jnp.int32)
+  sid = jnp.clip(jnp.searchsorted(cu_seqlens, t, side="right") - 1, 0,
+                 cu_seqlens.shape[0] - 2)
+  return jnp.where(t < cu_seqlens[-1], t - cu_seqlens[sid], 0)
+
+
+class DebertaV2Model(_Common):
+  """HF `DebertaV2Model`: embeddings + encoder.
+
+  model.apply({"params": params}, input_ids, attention_mask) -> last hidden
+  state [batch, seq, hidden]. Packed: input_ids [total] with cu_seqlens
+  (and max_seqlen under jit) -> [total, hidden]. Pass
+  deterministic=False with rngs={"dropout": key} to train with dropout.
+  """
+
+  def setup(self):
+    kw = dict(config=self.config, dtype=self.dtype,
+              param_dtype=self.param_dtype,
+              attention_backend=self.attention_backend)
+    self.embeddings = DebertaV2Embeddings(**kw)
+    self.encoder = DebertaV2Encoder(**kw)
+
+  def __call__(self, input_ids, attention_mask=None, token_type_ids=None,
+               position_ids=None, *, cu_seqlens=None, max_seqlen=None,
+               deterministic: bool = True,
+               output_hidden_states: bool = False):
+    if cu_seqlens is not None:
+      if input_ids.ndim != 1:
+        raise ValueError("with cu_seqlens, input_ids must be packed [total]; "
+                         f"got shape {tuple(input_ids.shape)}.")
+      if attention_mask is not None:
+        raise ValueError("attention_mask and cu_seqlens are exclusive.")
+      cu_seqlens = jnp.asarray(cu_seqlens, jnp.int32)
+      total = input_ids.shape[0]
+      mask = (jnp.arange(total) < cu_seqlens[-1]).astype(jnp.int32)
+      if position_ids is None:
+        position_ids = packed_positions(cu_seqlens, total)
+      emb = self.embeddings(input_ids, token_type_ids, position_ids, mask,
+                            deterministic=deterministic)
+      return self.encoder(emb, None, cu_seqlens=cu_seqlens,
+                          max_seqlen=max_seqlen, deterministic=deterministic,
+                          output_hidden_states=output_hidden_states)
+    if position_ids is None:
+      position_ids = jnp.broadcast_to(jnp.arange(input_ids.shape[-1]),
+                                      input_ids.shape)
+    mask = attention_mask
+    emb = self.embeddings(input_ids, token_type_ids, position_ids, mask,
+                          deterministic=deterministic)
+    return self.encoder(emb, mask, deterministic=deterministic,
+                        output_hidden_states=output_hidden_states)
+
+
+class ContextPooler(_Common):
+  """HF `ContextPooler`: dense + activation on the first token."""
+
+  def setup(self):
+    cfg = self.config
+    self.dense = _dense(cfg.pooler_hidden_size or cfg.hidden_size, cfg,
+                        self.dtype, self.param_dtype)
+    self.dropout = nn.Dropout(cfg.pooler_dropout)
+
+  def __call__(self, hidden, deterministic=True):
+    x = self.dropout(hidden[..., 0, :], deterministic=deterministic)
+    return activation(self.config.pooler_hidden_act)(self.dense(x))
+
+
+class DebertaV2ForSequenceClassification(_Common):
+  """HF `DebertaV2ForSequenceClassification` (params: deberta, pooler,
+  classifier); returns logits [batch, num_labels]. Padded input only."""
+
+  def setup(self):
+    kw = dict(config=self.config, dtype=self.dtype,
+              param_dtype=self.param_dtype,
+              attention_backend=self.attention_backend)
+    self.deberta = DebertaV2Model(**kw)
+    self.pooler = ContextPooler(**kw)
+    self.classifier = _dense(self.config.num_labels, self.config, self.dtype,
+                             self.param_dtype)
+    self.dropout = nn.Dropout(self.config.hidden_dropout_prob)
+
+  def __call__(self, input_ids, attention_mask=None, token_type_ids=None, *,
+               deterministic: bool = True):
+    h = self.deberta(input_ids, attention_mask, token_type_ids,
+                     deterministic=deterministic)
+    pooled = self.pooler(h, deterministic=deterministic)
+    return self.classifier(self.dropout(pooled, deterministic=deterministic))
