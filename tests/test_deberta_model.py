@@ -13,8 +13,8 @@ import pytest
 
 from jax_api.deberta.convert import (from_hf,
                                      from_hf_for_sequence_classification,
-                                     to_hf_state_dict)
-from jax_api.deberta.modules import DebertaV2Config, DebertaV2Model
+                                     from_hf_nnx, to_hf_state_dict)
+from jax_api.deberta.modules import DebertaV2Config, linen_params
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -234,6 +234,34 @@ def test_finetune_step_loss_decreases():
     losses.append(float(loss))
   assert np.all(np.isfinite(losses))
   assert np.mean(losses[-5:]) < 0.7 * np.mean(losses[:5]), losses
+
+
+def test_nnx_model_matches_linen_and_hf(main_case):
+  from flax import nnx
+  c = main_case
+  model = from_hf_nnx(c["m"], attention_backend="xla")
+  assert set(to_hf_state_dict(linen_params(model))) == set(
+      to_hf_state_dict(c["params"]))
+  model.eval()
+  ids, mask, w = (jnp.asarray(x) for x in (c["ids"], c["mask"], c["w"]))
+
+  @nnx.jit
+  def loss_and_grad(model):
+    def loss(model):
+      out = model(ids, mask)
+      return jnp.sum(out * w), out
+    (_, out), grads = nnx.value_and_grad(loss, has_aux=True)(model)
+    return out, grads
+
+  out, grads = loss_and_grad(model)
+  g = to_hf_state_dict(linen_params(grads))
+  _compare(np.asarray(out), c["ref_out"], g, c["ref_grads"], c["mask"])
+  # Training mode draws dropout masks from the module's rngs.
+  cfg = _hf_config(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+  m2 = from_hf_nnx(_hf_model(cfg), attention_backend="xla")
+  m2.train()
+  f = nnx.jit(lambda model: model(ids, mask))
+  assert float(jnp.abs(f(m2) - f(m2)).max()) > 0
 
 
 # ---------------------------------------------------------------------------

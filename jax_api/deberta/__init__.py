@@ -10,14 +10,21 @@ names, and checkpoint conversion.
 from jax_api.deberta.attention import disentangled_attention
 from jax_api.deberta.convert import (from_hf,
                                      from_hf_for_sequence_classification,
-                                     state_dict_to_params, to_hf_state_dict)
+                                     from_hf_nnx, state_dict_to_params,
+                                     to_hf_state_dict)
 from jax_api.deberta.modules import (DebertaV2Config, DebertaV2Encoder,
+                                     DebertaV2EncoderNNX,
                                      DebertaV2ForSequenceClassification,
-                                     DebertaV2Model, DebertaV2SelfAttention)
+                                     DebertaV2Model, DebertaV2ModelNNX,
+                                     DebertaV2SelfAttention,
+                                     DebertaV2SelfAttentionNNX,
+                                     linen_params, load_linen_params)
 
 __all__ = [
     "disentangled_attention", "from_hf", "from_hf_for_sequence_classification",
     "to_hf_state_dict", "state_dict_to_params", "DebertaV2Config",
     "DebertaV2SelfAttention", "DebertaV2Encoder", "DebertaV2Model",
-    "DebertaV2ForSequenceClassification",
+    "DebertaV2ForSequenceClassification", "from_hf_nnx",
+    "DebertaV2SelfAttentionNNX", "DebertaV2EncoderNNX", "DebertaV2ModelNNX",
+    "load_linen_params", "linen_params",
 ]

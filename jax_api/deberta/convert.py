@@ -154,3 +154,21 @@ def from_hf_for_sequence_classification(hf_model, *, dtype=jnp.float32,
       config=config, dtype=dtype, param_dtype=param_dtype,
       attention_backend=attention_backend)
   return model, params
+
+
+def from_hf_nnx(hf_model_or_state_dict, config=None, *, dtype=jnp.float32,
+                param_dtype=jnp.float32, attention_backend: str = "auto",
+                seed: int = 0):
+  """As `from_hf`, returning a `flax.nnx` `DebertaV2ModelNNX` with the
+  converted weights (seed: its dropout stream)."""
+  from flax import nnx
+
+  from jax_api.deberta.modules import DebertaV2ModelNNX, load_linen_params
+  linen_model, params = from_hf(hf_model_or_state_dict, config, dtype=dtype,
+                                param_dtype=param_dtype,
+                                attention_backend=attention_backend)
+  model = DebertaV2ModelNNX(linen_model.config, dtype=dtype,
+                            param_dtype=param_dtype,
+                            attention_backend=attention_backend,
+                            rngs=nnx.Rngs(seed))
+  return load_linen_params(model, params)

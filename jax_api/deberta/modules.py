@@ -175,42 +175,54 @@ class DebertaV2SelfAttention(_Common):
   def __call__(self, hidden, attention_mask=None, rel_embeddings=None, *,
                cu_seqlens=None, max_seqlen=None, deterministic: bool = True):
     cfg = self.config
-    heads, hd = cfg.num_attention_heads, cfg.head_size
-    split = lambda x: x.reshape(*x.shape[:-1], heads, hd)
-    q = split(self.query_proj(hidden))
-    k = split(self.key_proj(hidden))
-    v = split(self.value_proj(hidden))
-    types = tuple(cfg.pos_att_type)
-    n_terms = 1 + ("c2p" in types) + ("p2c" in types)
-    pk = pq = None
+    rel = None
     if cfg.relative_attention:
       rel = self.pos_dropout(rel_embeddings, deterministic=deterministic)
-      rel = rel[: 2 * cfg.pos_ebd_size].astype(self.dtype)
-      if "c2p" in types:
-        proj = self.key_proj if cfg.share_att_key else self.pos_key_proj
-        pk = split(proj(rel))
-      if "p2c" in types:
-        proj = self.query_proj if cfg.share_att_key else self.pos_query_proj
-        pq = split(proj(rel))
-    else:
-      # HF still divides by sqrt(head_dim * n_terms) without position terms.
-      q = q * jnp.asarray(1.0 / n_terms ** 0.5, q.dtype)
-      types = ()
     rate = cfg.attention_probs_dropout_prob
     rng = None
-    if deterministic or rate == 0.0:
-      rate = 0.0
-    else:
+    if not deterministic and rate > 0.0:
       rng = self.make_rng("dropout")
-    out = disentangled_attention(
-        q, k, v, pk, pq,
-        attention_mask=None if cu_seqlens is not None else attention_mask,
-        cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-        position_buckets=cfg.position_buckets,
-        max_relative_positions=cfg.resolved_max_relative_positions,
-        pos_att_type=types, dropout_rate=rate, dropout_rng=rng,
-        backend=self.attention_backend)
-    return out.reshape(*out.shape[:-2], heads * hd)
+    return _self_attention(
+        cfg, hidden, rel, self.query_proj, self.key_proj, self.value_proj,
+        getattr(self, "pos_key_proj", None),
+        getattr(self, "pos_query_proj", None), attention_mask, cu_seqlens,
+        max_seqlen, rng, self.dtype, self.attention_backend)
+
+
+def _self_attention(cfg, hidden, rel, query_proj, key_proj, value_proj,
+                    pos_key_proj, pos_query_proj, attention_mask, cu_seqlens,
+                    max_seqlen, dropout_rng, dtype, backend):
+  """HF DisentangledSelfAttention.forward from the projections on (shared
+  by the linen and nnx modules). rel: the (dropped-out) relative
+  embeddings or None; dropout_rng None means no attention dropout."""
+  heads, hd = cfg.num_attention_heads, cfg.head_size
+  split = lambda x: x.reshape(*x.shape[:-1], heads, hd)
+  q = split(query_proj(hidden))
+  k = split(key_proj(hidden))
+  v = split(value_proj(hidden))
+  types = tuple(cfg.pos_att_type)
+  n_terms = 1 + ("c2p" in types) + ("p2c" in types)
+  pk = pq = None
+  if cfg.relative_attention:
+    rel = rel[: 2 * cfg.pos_ebd_size].astype(dtype)
+    if "c2p" in types:
+      pk = split((key_proj if cfg.share_att_key else pos_key_proj)(rel))
+    if "p2c" in types:
+      pq = split((query_proj if cfg.share_att_key else pos_query_proj)(rel))
+  else:
+    # HF still divides by sqrt(head_dim * n_terms) without position terms.
+    q = q * jnp.asarray(1.0 / n_terms ** 0.5, q.dtype)
+    types = ()
+  rate = cfg.attention_probs_dropout_prob if dropout_rng is not None else 0.0
+  out = disentangled_attention(
+      q, k, v, pk, pq,
+      attention_mask=None if cu_seqlens is not None else attention_mask,
+      cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+      position_buckets=cfg.position_buckets,
+      max_relative_positions=cfg.resolved_max_relative_positions,
+      pos_att_type=types, dropout_rate=rate, dropout_rng=dropout_rng,
+      backend=backend)
+  return out.reshape(*out.shape[:-2], heads * hd)
 
 
 class DebertaV2SelfOutput(_Common):
@@ -334,6 +346,25 @@ class _ConvParams(nn.Module):
     return kernel, bias
 
 
+def _conv1d(cfg, kernel, bias, hidden, cu_seqlens, dtype):
+  """HF's Conv1d (padding (k - 1) // 2, groups) along the sequence, never
+  reading across packed sequences. kernel [k, hidden / groups, hidden]."""
+  ks, groups, c = cfg.conv_kernel_size, cfg.conv_groups, cfg.hidden_size
+  cg = c // groups
+  kernel = kernel.astype(dtype)
+  pad = (ks - 1) // 2
+  out = jnp.zeros(hidden.shape[:-1] + (c,), jnp.float32)
+  for t in range(ks):
+    xs = _same_sequence_shift(hidden, t - pad, cu_seqlens)
+    xs = xs.reshape(*xs.shape[:-1], groups, cg)
+    # Output channel o = g * cg + p reads input channels of group g.
+    w = kernel[t].reshape(cg, groups, cg).transpose(1, 0, 2)  # [g, in, p]
+    out = out + jnp.einsum("...gi,gip->...gp", xs, w,
+                           preferred_element_type=jnp.float32).reshape(
+                               out.shape)
+  return (out + bias).astype(dtype)
+
+
 class ConvLayer(_Common):
   """HF `ConvLayer` (DeBERTa-v2's conv after the first layer), as
   `encoder.conv` with children `conv` and `LayerNorm`. Never mixes packed
@@ -346,18 +377,7 @@ class ConvLayer(_Common):
     ks, groups, c = cfg.conv_kernel_size, cfg.conv_groups, cfg.hidden_size
     cg = c // groups
     kernel, bias = _ConvParams(ks, cg, c, self.param_dtype, name="conv")()
-    kernel = kernel.astype(self.dtype)
-    pad = (ks - 1) // 2
-    out = jnp.zeros(hidden.shape[:-1] + (c,), jnp.float32)
-    for t in range(ks):
-      xs = _same_sequence_shift(hidden, t - pad, cu_seqlens)
-      xs = xs.reshape(*xs.shape[:-1], groups, cg)
-      # Output channel o = g * cg + p reads input channels of group g.
-      w = kernel[t].reshape(cg, groups, cg).transpose(1, 0, 2)  # [g, in, p]
-      out = out + jnp.einsum("...gi,gip->...gp", xs, w,
-                             preferred_element_type=jnp.float32).reshape(
-                                 out.shape)
-    out = (out + bias).astype(self.dtype)
+    out = _conv1d(cfg, kernel, bias, hidden, cu_seqlens, self.dtype)
     m = input_mask[..., None].astype(out.dtype)
     out = out * m
     out = activation(cfg.conv_act)(
@@ -546,3 +566,321 @@ class DebertaV2ForSequenceClassification(_Common):
                      deterministic=deterministic)
     pooled = self.pooler(h, deterministic=deterministic)
     return self.classifier(self.dropout(pooled, deterministic=deterministic))
+
+
+# ---------------------------------------------------------------------------
+# flax.nnx counterparts: the same structure and names (layers are an
+# nnx.List indexed 0, 1, ...; `nnx.state(model, nnx.Param)` mirrors the
+# linen params with integer layer keys). Dropout follows nnx's convention:
+# modules start in training mode; `model.eval()` makes them deterministic
+# (or pass deterministic= per call). Attention dropout draws from the
+# `dropout` stream of the rngs given at construction.
+
+from flax import nnx  # noqa: E402
+
+
+def _nnx_linear(n_in, n_out, dtype, param_dtype, rngs, bias=True):
+  return nnx.Linear(n_in, n_out, use_bias=bias, dtype=dtype,
+                    param_dtype=param_dtype,
+                    kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
+
+
+def _nnx_layer_norm(cfg, dtype, param_dtype, rngs):
+  return nnx.LayerNorm(cfg.hidden_size, epsilon=cfg.layer_norm_eps,
+                       dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+
+def _nnx_det(module, deterministic):
+  return module.deterministic if deterministic is None else deterministic
+
+
+class DebertaV2SelfAttentionNNX(nnx.Module):
+  """nnx `DisentangledSelfAttention` (see `DebertaV2SelfAttention`)."""
+
+  def __init__(self, config: DebertaV2Config, *, dtype=jnp.float32,
+               param_dtype=jnp.float32, attention_backend: str = "auto",
+               rngs: nnx.Rngs):
+    cfg = config
+    self.config = cfg
+    self.dtype = dtype
+    self.attention_backend = attention_backend
+    all_head = cfg.num_attention_heads * cfg.head_size
+    mk = lambda: _nnx_linear(cfg.hidden_size, all_head, dtype, param_dtype,
+                             rngs)
+    self.query_proj = mk()
+    self.key_proj = mk()
+    self.value_proj = mk()
+    if cfg.relative_attention and not cfg.share_att_key:
+      if "c2p" in cfg.pos_att_type:
+        self.pos_key_proj = mk()
+      if "p2c" in cfg.pos_att_type:
+        self.pos_query_proj = mk()
+    self.pos_dropout = nnx.Dropout(cfg.hidden_dropout_prob, rngs=rngs)
+    self.rngs = rngs
+    self.deterministic = False
+
+  def __call__(self, hidden, attention_mask=None, rel_embeddings=None, *,
+               cu_seqlens=None, max_seqlen=None, deterministic=None):
+    cfg = self.config
+    det = _nnx_det(self, deterministic)
+    rel = None
+    if cfg.relative_attention:
+      rel = self.pos_dropout(rel_embeddings, deterministic=det)
+    rng = None
+    if not det and cfg.attention_probs_dropout_prob > 0.0:
+      rng = self.rngs.dropout()
+    return _self_attention(
+        cfg, hidden, rel, self.query_proj, self.key_proj, self.value_proj,
+        getattr(self, "pos_key_proj", None),
+        getattr(self, "pos_query_proj", None), attention_mask, cu_seqlens,
+        max_seqlen, rng, self.dtype, self.attention_backend)
+
+
+class _DenseLayerNormNNX(nnx.Module):
+  """HF SelfOutput / Output: dense, dropout, LayerNorm(h + residual)."""
+
+  def __init__(self, cfg, n_in, dtype, param_dtype, rngs):
+    self.dense = _nnx_linear(n_in, cfg.hidden_size, dtype, param_dtype, rngs)
+    self.LayerNorm = _nnx_layer_norm(cfg, dtype, param_dtype, rngs)
+    self.dropout = nnx.Dropout(cfg.hidden_dropout_prob, rngs=rngs)
+
+  def __call__(self, hidden, input_tensor, deterministic=None):
+    h = self.dropout(self.dense(hidden), deterministic=deterministic)
+    return self.LayerNorm(h + input_tensor)
+
+
+class _AttentionNNX(nnx.Module):
+
+  def __init__(self, cfg, dtype, param_dtype, backend, rngs):
+    self.self = DebertaV2SelfAttentionNNX(
+        cfg, dtype=dtype, param_dtype=param_dtype, attention_backend=backend,
+        rngs=rngs)
+    self.output = _DenseLayerNormNNX(cfg, cfg.num_attention_heads *
+                                     cfg.head_size, dtype, param_dtype, rngs)
+
+  def __call__(self, hidden, attention_mask, rel, *, cu_seqlens=None,
+               max_seqlen=None, deterministic=None):
+    ctx = self.self(hidden, attention_mask, rel, cu_seqlens=cu_seqlens,
+                    max_seqlen=max_seqlen, deterministic=deterministic)
+    return self.output(ctx, hidden, deterministic=deterministic)
+
+
+class _IntermediateNNX(nnx.Module):
+
+  def __init__(self, cfg, dtype, param_dtype, rngs):
+    self.act = cfg.hidden_act
+    self.dense = _nnx_linear(cfg.hidden_size, cfg.intermediate_size, dtype,
+                             param_dtype, rngs)
+
+  def __call__(self, hidden):
+    return activation(self.act)(self.dense(hidden))
+
+
+class _LayerNNX(nnx.Module):
+
+  def __init__(self, cfg, dtype, param_dtype, backend, rngs):
+    self.attention = _AttentionNNX(cfg, dtype, param_dtype, backend, rngs)
+    self.intermediate = _IntermediateNNX(cfg, dtype, param_dtype, rngs)
+    self.output = _DenseLayerNormNNX(cfg, cfg.intermediate_size, dtype,
+                                     param_dtype, rngs)
+
+  def __call__(self, hidden, attention_mask, rel, *, cu_seqlens=None,
+               max_seqlen=None, deterministic=None):
+    att = self.attention(hidden, attention_mask, rel, cu_seqlens=cu_seqlens,
+                         max_seqlen=max_seqlen, deterministic=deterministic)
+    return self.output(self.intermediate(att), att,
+                       deterministic=deterministic)
+
+
+class _ConvParamsNNX(nnx.Module):
+
+  def __init__(self, cfg, param_dtype, rngs):
+    c = cfg.hidden_size
+    self.kernel = nnx.Param(nnx.initializers.normal(0.02)(
+        rngs.params(), (cfg.conv_kernel_size, c // cfg.conv_groups, c),
+        param_dtype))
+    self.bias = nnx.Param(jnp.zeros((c,), param_dtype))
+
+
+class _ConvLayerNNX(nnx.Module):
+
+  def __init__(self, cfg, dtype, param_dtype, rngs):
+    self.config = cfg
+    self.dtype = dtype
+    self.conv = _ConvParamsNNX(cfg, param_dtype, rngs)
+    self.LayerNorm = _nnx_layer_norm(cfg, dtype, param_dtype, rngs)
+    self.dropout = nnx.Dropout(cfg.hidden_dropout_prob, rngs=rngs)
+
+  def __call__(self, hidden, residual, input_mask, cu_seqlens=None,
+               deterministic=None):
+    cfg = self.config
+    out = _conv1d(cfg, self.conv.kernel[...], self.conv.bias[...], hidden,
+                  cu_seqlens, self.dtype)
+    m = input_mask[..., None].astype(out.dtype)
+    out = activation(cfg.conv_act)(self.dropout(out * m,
+                                                deterministic=deterministic))
+    return self.LayerNorm(residual + out) * m
+
+
+class DebertaV2EncoderNNX(nnx.Module):
+  """nnx `DebertaV2Encoder` (see the linen class)."""
+
+  def __init__(self, config: DebertaV2Config, *, dtype=jnp.float32,
+               param_dtype=jnp.float32, attention_backend: str = "auto",
+               rngs: nnx.Rngs):
+    cfg = config
+    self.config = cfg
+    self.layer = nnx.List([
+        _LayerNNX(cfg, dtype, param_dtype, attention_backend, rngs)
+        for _ in range(cfg.num_hidden_layers)])
+    if cfg.relative_attention:
+      self.rel_embeddings = nnx.Embed(
+          2 * cfg.pos_ebd_size, cfg.hidden_size, dtype=dtype,
+          param_dtype=param_dtype,
+          embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
+    if "layer_norm" in cfg.norm_rel_ebd_list:
+      self.LayerNorm = _nnx_layer_norm(cfg, dtype, param_dtype, rngs)
+    if cfg.conv_kernel_size > 0:
+      self.conv = _ConvLayerNNX(cfg, dtype, param_dtype, rngs)
+
+  def get_rel_embedding(self):
+    cfg = self.config
+    if not cfg.relative_attention:
+      return None
+    rel = self.rel_embeddings.embedding[...]
+    if "layer_norm" in cfg.norm_rel_ebd_list:
+      rel = self.LayerNorm(rel)
+    return rel
+
+  def __call__(self, hidden, attention_mask=None, *, cu_seqlens=None,
+               max_seqlen=None, deterministic=None,
+               output_hidden_states: bool = False):
+    cfg = self.config
+    if attention_mask is not None:
+      input_mask = attention_mask
+    elif cu_seqlens is not None:
+      input_mask = jnp.arange(hidden.shape[0]) < cu_seqlens[-1]
+    else:
+      input_mask = jnp.ones(hidden.shape[:-1], hidden.dtype)
+    rel = self.get_rel_embedding()
+    states = [hidden]
+    h = hidden
+    for i, layer in enumerate(self.layer):
+      h = layer(h, attention_mask, rel, cu_seqlens=cu_seqlens,
+                max_seqlen=max_seqlen, deterministic=deterministic)
+      if i == 0 and cfg.conv_kernel_size > 0:
+        h = self.conv(hidden, h, input_mask, cu_seqlens=cu_seqlens,
+                      deterministic=deterministic)
+      states.append(h)
+    return (h, tuple(states)) if output_hidden_states else h
+
+
+class _EmbeddingsNNX(nnx.Module):
+
+  def __init__(self, cfg, dtype, param_dtype, rngs):
+    self.config = cfg
+    esize = cfg.embedding_size or cfg.hidden_size
+    emb = lambda n: nnx.Embed(n, esize, dtype=dtype, param_dtype=param_dtype,
+                              embedding_init=nnx.initializers.normal(0.02),
+                              rngs=rngs)
+    self.word_embeddings = emb(cfg.vocab_size)
+    if cfg.position_biased_input:
+      self.position_embeddings = emb(cfg.max_position_embeddings)
+    if cfg.type_vocab_size > 0:
+      self.token_type_embeddings = emb(cfg.type_vocab_size)
+    if esize != cfg.hidden_size:
+      self.embed_proj = _nnx_linear(esize, cfg.hidden_size, dtype,
+                                    param_dtype, rngs, bias=False)
+    self.LayerNorm = _nnx_layer_norm(cfg, dtype, param_dtype, rngs)
+    self.dropout = nnx.Dropout(cfg.hidden_dropout_prob, rngs=rngs)
+
+  def __call__(self, input_ids, token_type_ids=None, position_ids=None,
+               mask=None, deterministic=None):
+    cfg = self.config
+    x = self.word_embeddings(input_ids)
+    if cfg.position_biased_input:
+      x = x + self.position_embeddings(position_ids)
+    if cfg.type_vocab_size > 0:
+      if token_type_ids is None:
+        token_type_ids = jnp.zeros_like(input_ids)
+      x = x + self.token_type_embeddings(token_type_ids)
+    if (cfg.embedding_size or cfg.hidden_size) != cfg.hidden_size:
+      x = self.embed_proj(x)
+    x = self.LayerNorm(x)
+    if mask is not None:
+      x = x * mask[..., None].astype(x.dtype)
+    return self.dropout(x, deterministic=deterministic)
+
+
+class DebertaV2ModelNNX(nnx.Module):
+  """nnx `DebertaV2Model`: model(input_ids, attention_mask) -> last hidden
+  state; packed input with cu_seqlens as in the linen class."""
+
+  def __init__(self, config: DebertaV2Config, *, dtype=jnp.float32,
+               param_dtype=jnp.float32, attention_backend: str = "auto",
+               rngs: nnx.Rngs):
+    self.config = config
+    self.embeddings = _EmbeddingsNNX(config, dtype, param_dtype, rngs)
+    self.encoder = DebertaV2EncoderNNX(
+        config, dtype=dtype, param_dtype=param_dtype,
+        attention_backend=attention_backend, rngs=rngs)
+
+  def __call__(self, input_ids, attention_mask=None, token_type_ids=None,
+               position_ids=None, *, cu_seqlens=None, max_seqlen=None,
+               deterministic=None, output_hidden_states: bool = False):
+    if cu_seqlens is not None:
+      if attention_mask is not None:
+        raise ValueError("attention_mask and cu_seqlens are exclusive.")
+      cu_seqlens = jnp.asarray(cu_seqlens, jnp.int32)
+      total = input_ids.shape[0]
+      mask = (jnp.arange(total) < cu_seqlens[-1]).astype(jnp.int32)
+      if position_ids is None:
+        position_ids = packed_positions(cu_seqlens, total)
+      emb = self.embeddings(input_ids, token_type_ids, position_ids, mask,
+                            deterministic=deterministic)
+      return self.encoder(emb, None, cu_seqlens=cu_seqlens,
+                          max_seqlen=max_seqlen, deterministic=deterministic,
+                          output_hidden_states=output_hidden_states)
+    if position_ids is None:
+      position_ids = jnp.broadcast_to(jnp.arange(input_ids.shape[-1]),
+                                      input_ids.shape)
+    emb = self.embeddings(input_ids, token_type_ids, position_ids,
+                          attention_mask, deterministic=deterministic)
+    return self.encoder(emb, attention_mask, deterministic=deterministic,
+                        output_hidden_states=output_hidden_states)
+
+
+def _int_layer_keys(tree, to_int: bool):
+  if not isinstance(tree, dict):
+    return tree
+  out = {}
+  for k, v in tree.items():
+    if k == "layer" and isinstance(v, dict):
+      v = {(int(i) if to_int else str(i)): _int_layer_keys(x, to_int)
+           for i, x in v.items()}
+      out[k] = v
+    else:
+      out[k] = _int_layer_keys(v, to_int)
+  return out
+
+
+def load_linen_params(model: nnx.Module, params) -> nnx.Module:
+  """Copies linen-layout params (e.g. from `convert.from_hf`) into an nnx
+  DeBERTa module in place; returns it."""
+  state = nnx.state(model, nnx.Param)
+  want = state.to_pure_dict()
+  got = _int_layer_keys(jax.tree_util.tree_map(lambda x: x, dict(params)),
+                        True)
+  wshape = jax.tree_util.tree_map(lambda x: tuple(x.shape), want)
+  gshape = jax.tree_util.tree_map(lambda x: tuple(jnp.shape(x)), got)
+  if wshape != gshape:
+    raise ValueError("params do not match the nnx module's structure")
+  nnx.replace_by_pure_dict(state, got)
+  nnx.update(model, state)
+  return model
+
+
+def linen_params(model: nnx.Module) -> dict:
+  """The nnx module's params in the linen layout (string layer keys), e.g.
+  for `convert.to_hf_state_dict`."""
+  return _int_layer_keys(nnx.state(model, nnx.Param).to_pure_dict(), False)

@@ -130,12 +130,27 @@ def position_bias(cfg: KernelConfig, kind: str, *, slot_ref, c_ref, p_ref,
     return bias, None
   w = band_columns(cfg, q_pos, k_pos, k_major)
   slot = load(slot_ref.at[w])
+  # The table whose rows run along the tile's *second* axis is gathered in
+  # the transposed orientation (rows along the first axis, so neighbouring
+  # lanes read neighbouring columns of one row: coalesced) and transposed
+  # back.
+  if (cfg.c2p and k_major) or (cfg.p2c and not k_major):
+    slot_t = load(slot_ref.at[band_columns(cfg, q_pos, k_pos, not k_major)])
   bias = None
   if cfg.c2p:
-    rows = jnp.broadcast_to(qa(q_rows), w.shape)
-    bias = load(c_ref.at[rows, slot]).astype(jnp.float32)
+    if k_major:  # query rows run along axis 1
+      rows = jnp.broadcast_to(q_rows[:, None], slot_t.shape)
+      t = load(c_ref.at[rows, slot_t]).astype(jnp.float32).T
+    else:
+      rows = jnp.broadcast_to(q_rows[:, None], w.shape)
+      t = load(c_ref.at[rows, slot]).astype(jnp.float32)
+    bias = t
   if cfg.p2c:
-    rows = jnp.broadcast_to(ka(k_rows), w.shape)
-    t = load(p_ref.at[rows, slot]).astype(jnp.float32)
+    if k_major:
+      rows = jnp.broadcast_to(k_rows[:, None], w.shape)
+      t = load(p_ref.at[rows, slot]).astype(jnp.float32)
+    else:  # key rows run along axis 1
+      rows = jnp.broadcast_to(k_rows[:, None], slot_t.shape)
+      t = load(p_ref.at[rows, slot_t]).astype(jnp.float32).T
     bias = t if bias is None else bias + t
   return bias, w
