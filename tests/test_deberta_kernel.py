@@ -302,6 +302,22 @@ def test_bfloat16_close_to_float32_reference():
   _check_all(out, grads, r_out, r_grads, valid, atol=4e-2, rtol=4e-2)
 
 
+def test_standard_buckets_long_sequence():
+  # DeBERTa-v3's 256 buckets / 512 positions: saturation at i - j >= 506
+  # and <= -512 needs sequences past 512.
+  b, s, h, d = 2, 600, 1, 32
+  (q, k, v, pk, pq), do = _inputs(13, (b, s, h, d), 512)
+  mask = _ragged([600, 555], s)
+  valid = mask.astype(bool)
+  w = do * valid[:, :, None, None]
+  kw = dict(pos_att_type=BOTH, position_buckets=256,
+            max_relative_positions=512)
+  extra = {"attention_mask": mask}
+  out, grads = _run("interpret", q, k, v, pk, pq, w, extra, **kw)
+  r_out, r_grads = _run("ref", q, k, v, pk, pq, w, extra, **kw)
+  _check_all(out, grads, r_out, r_grads, valid)
+
+
 # ---------------------------------------------------------------------------
 # Validation (no kernels run).
 

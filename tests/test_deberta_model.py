@@ -57,13 +57,13 @@ def _hf_model(cfg, seed=0):
   return m
 
 
-def _batch(seed=0, lengths=LENGTHS, seq=SEQ):
+def _batch(seed=0, lengths=LENGTHS, seq=SEQ, hidden=HIDDEN):
   rng = np.random.default_rng(seed)
   ids = rng.integers(1, VOCAB, (len(lengths), seq))
   mask = (np.arange(seq)[None] < np.asarray(lengths)[:, None]).astype(
       np.int64)
   ids = np.where(mask == 1, ids, 0)
-  w = rng.standard_normal((len(lengths), seq, HIDDEN)).astype(np.float32)
+  w = rng.standard_normal((len(lengths), seq, hidden)).astype(np.float32)
   return ids, mask, w * mask[:, :, None]
 
 
@@ -282,13 +282,7 @@ def test_gpu_hf_parity_pallas_backend():
                    max_position_embeddings=512, num_attention_heads=2,
                    hidden_size=128, intermediate_size=256)
   m = _hf_model(cfg)
-  global HIDDEN
-  old = HIDDEN
-  HIDDEN = 128
-  try:
-    ids, mask, w = _batch(lengths=[500, 300, 0], seq=500)
-  finally:
-    HIDDEN = old
+  ids, mask, w = _batch(lengths=[500, 300, 0], seq=500, hidden=128)
   ref_out, ref_grads = _hf_forward_backward(m, ids, mask, w)
   model, params = from_hf(m, attention_backend="pallas")
   out, grads = _jax_forward_backward(model, params, ids, mask, w)
