@@ -15,6 +15,9 @@ Storage
   block_table: int32 [batch, max_pages]; page p of slot b is pool page
     block_table[b, p] for p < ceil(lengths[b] / page_size) (other entries are
     stale and never read).
+  anchors: [batch, max_pages, n_kv_heads, d_pad], the first key of every
+    page of every slot, contiguous per slot (the kernel's declared reference
+    samples them without chasing the block table).
   free_pages, n_free: a stack; free_pages[:n_free] are the free pool pages.
     Allocation pops from the top, `free` pushes, so freed pages are reused
     first and no page is ever held by two live slots.
@@ -119,13 +122,14 @@ def _check_int(name, x, lo=1):
 class FoldKVCache:
   """One layer's paged KV cache (a pytree; see the module docstring)."""
 
-  _FIELDS = ("k_pages", "v_pages", "v_res", "v_scale", "summaries",
+  _FIELDS = ("k_pages", "v_pages", "v_res", "v_scale", "summaries", "anchors",
              "block_table", "lengths_", "free_pages", "n_free", "error")
 
   def __init__(self, *, config: CacheConfig, k_pages, v_pages, v_res,
-               v_scale, summaries, block_table, lengths_, free_pages, n_free,
-               error):
+               v_scale, summaries, anchors, block_table, lengths_, free_pages,
+               n_free, error):
     self.config = config
+    self.anchors = anchors
     self.k_pages = k_pages
     self.v_pages = v_pages
     self.v_res = v_res
@@ -238,6 +242,7 @@ class FoldKVCache:
         v_res=jnp.zeros(shape, e4m3) if v8 else None,
         v_scale=jnp.zeros((), jnp.float32) if v8 else None,
         summaries=summ,
+        anchors=jnp.zeros((batch, max_pages, n_kv_heads, cfg.d_pad), dt),
         block_table=jnp.zeros((batch, max_pages), jnp.int32),
         lengths_=jnp.zeros((batch,), jnp.int32),
         # Popping from the top hands out pages 0, 1, 2, ... first.
@@ -501,9 +506,11 @@ def _append_one(cache: FoldKVCache, k, v, act):
   off = pos % s
   kp = _pad_kv(cfg, k).astype(cache.dtype)
   vc, vr, scale = _encode_values(cache, _pad_kv(cfg, v), act[:, None, None])
+  slot_w = jnp.where(need, rows, cfg.batch)  # a page's first key: its anchor
   upd = dict(
       k_pages=cache.k_pages.at[page_w, off].set(kp, mode="drop"),
       v_pages=cache.v_pages.at[page_w, off].set(vc, mode="drop"),
+      anchors=cache.anchors.at[slot_w, lp].set(kp, mode="drop"),
       block_table=bt,
       lengths_=pos + act.astype(jnp.int32),
       n_free=cache.n_free - jnp.sum(need_i))
@@ -586,6 +593,7 @@ def _prefill_core(cache: FoldKVCache, k, v, cu, seq_ids, *, mp: int):
                       cache.block_table[ids_c, :mp])
   upd["block_table"] = cache.block_table.at[row_w, :mp].set(bt_rows,
                                                             mode="drop")
+  upd["anchors"] = cache.anchors.at[row_w, :mp].set(kd[:, :, 0], mode="drop")
   upd["lengths_"] = cache.lengths_.at[row_w].set(seq_len, mode="drop")
   upd["n_free"] = cache.n_free - jnp.where(ok, total, 0)
   upd["error"] = cache.error | err
@@ -649,7 +657,8 @@ def _decode(cache: FoldKVCache, q, *, softmax_scale, sinks, window_size,
                            cache.lengths_, **kw)
   interpret = be == "interpret"
   return paged_decode(q, cache.k_pages, cache.v_pages, cache.block_table,
-                      cache.lengths_, chunk_tokens=cfg.chunk_tokens,
+                      cache.lengths_, anchors=cache.anchors,
+                      chunk_tokens=cfg.chunk_tokens,
                       num_splits=num_splits, interpret=interpret,
                       compute_capability=None if interpret else
                       _gpu_capability(), **kw)

@@ -280,6 +280,10 @@ def _check_invariants(cache, model):
     live += np.asarray(cache.block_table[i, :model.pages(lens[i])]).tolist()
     np.testing.assert_array_equal(_token_rows(cache, i),
                                   np.asarray(model.seqs[i], np.float32))
+    n_pg = model.pages(lens[i])
+    anchors = cache.k_pages[cache.block_table[i, :n_pg], 0]
+    np.testing.assert_array_equal(np.asarray(cache.anchors[i, :n_pg]),
+                                  np.asarray(anchors))
   free = np.asarray(cache.free_pages[:int(cache.n_free)]).tolist()
   assert len(set(live)) == len(live), "a page is held by two live slots"
   assert not set(live) & set(free), "a live page is on the free list"

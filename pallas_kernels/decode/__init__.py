@@ -8,7 +8,8 @@ from pallas_kernels.decode.kernel import (OVERFLOW_MARGIN, DecodeSpec,
                                           fold_decode)
 from pallas_kernels.decode.ops import (DEFAULT_V8_DEPTH, arrange_queries,
                                        contiguous_as_pages, contiguous_decode,
-                                       head_dim_pad, make_spec, page_summaries,
+                                       head_dim_pad, make_spec, page_anchors,
+                                       page_summaries,
                                        paged_decode, unarrange_output)
 from pallas_kernels.decode.v8 import decode_v8, encode_v8, v8_scale_for
 
@@ -17,6 +18,6 @@ __all__ = [
     "DecodeSpec", "arrange_queries", "contiguous_as_pages",
     "contiguous_decode", "decode_blocks_for", "decode_v8",
     "default_num_splits", "encode_v8", "fold_decode", "head_dim_pad",
-    "make_spec", "page_summaries", "paged_decode", "unarrange_output",
+    "make_spec", "page_anchors", "page_summaries", "paged_decode", "unarrange_output",
     "v8_scale_for",
 ]

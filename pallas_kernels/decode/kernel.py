@@ -15,8 +15,9 @@ The softmax reference is declared before any reduction
 ------------------------------------------------------
 Every (sequence, KV head) program first computes, for each query row, a
 reference R (base-2 log domain) from a fixed sample of that row's visible keys:
-the first key of every page in the window and the newest SAMPLE_TILE keys
-(so each draft row sees its own token). R = max(sampled scores, sink). R is
+the first key of every page in the window (kept contiguous per sequence in
+an anchor array) and the newest SAMPLE_TILE keys (so each draft row sees its
+own token). R = max(sampled scores, sink). R is
 a lower bound of the row's true maximum M (the sample is a subset), never far
 below it in practice, and it does not depend on the split count, the batch or
 the page placement. Then every chunk c (a fixed run of `chunk_tokens` keys,
@@ -76,6 +77,11 @@ from pallas_kernels.flash._tiles import LN2, LOG2E
 
 # A row is recomputed against its exact maximum when M - R exceeds this.
 OVERFLOW_MARGIN = 64.0
+# Anchors (first keys of pages) per step of the declared-reference loop, and
+# chunk partials per step of the combine loop (issued together, added in
+# order).
+ANCHOR_TILE = 32
+COMBINE_UNROLL = 8
 # Residual plane factor: v = scale * (coarse + residual * 2^-V8_RES_SHIFT).
 V8_RES_SHIFT = 4
 
@@ -203,34 +209,39 @@ def _gather_keys(k_ref, bt_ref, b, h, kpos, ok, spec: DecodeSpec):
                     mask=ok[:, None], other=0.0)
 
 
-def _declared_reference(spec: DecodeSpec, q, k_ref, bt_ref, b, h, hi, lo,
-                        rows: _Rows):
-  """max over a fixed sample of visible keys of the row's score (base 2)."""
+def _declared_reference(spec: DecodeSpec, q, k_ref, bt_ref, anchors_ref, b, h,
+                        hi, lo, rows: _Rows):
+  """max over a fixed sample of visible keys of the row's score (base 2):
+  the first key of every page in [lo, hi) (from the per-sequence anchor
+  array, contiguous: no block-table chain) and the newest SAMPLE_TILE keys."""
   s = spec.page_size
-  a = SAMPLE_TILE
   precision = _dot_precision(q.dtype)
 
-  def sample_max(kpos, ok, acc):
-    kk = _gather_keys(k_ref, bt_ref, b, h, kpos, ok, spec).astype(q.dtype)
-    sc = _scores(spec, plgpu.dot(q, kk, trans_b=True, precision=precision))
+  def sample_max(kk, kpos, ok, acc):
+    sc = _scores(spec, plgpu.dot(q, kk.astype(q.dtype), trans_b=True,
+                                 precision=precision))
     vis = rows.visible(kpos, hi) & ok[None, :]
     return jnp.maximum(acc, jnp.max(jnp.where(vis, sc, -jnp.inf), axis=1))
 
   ref = jnp.full((spec.rows_pad,), -jnp.inf, jnp.float32)
-  # The first key of each page in the window.
+  a = ANCHOR_TILE
   p_lo = lax.div(lo + s - 1, s)
   p_hi = lax.div(hi + s - 1, s)
   n_tiles = jnp.maximum(lax.div(p_hi - p_lo + a - 1, a), 0)
 
   def anchor_step(i, acc):
     pv = p_lo + i * a + jnp.arange(a, dtype=jnp.int32)
-    return sample_max(pv * s, pv < p_hi, acc)
+    ok = pv < p_hi
+    kk = plgpu.load(anchors_ref.at[b, pl.ds(p_lo + i * a, a), h, :],
+                    mask=ok[:, None], other=0.0)
+    return sample_max(kk, pv * s, ok, acc)
 
   ref = lax.fori_loop(0, n_tiles, anchor_step, ref)
   # The newest keys (each draft row's own token among them).
-  kpos = hi - a + jnp.arange(a, dtype=jnp.int32)
-  ref = sample_max(kpos, (kpos >= lo) & (kpos >= 0), ref)
-  return ref
+  kpos = hi - SAMPLE_TILE + jnp.arange(SAMPLE_TILE, dtype=jnp.int32)
+  ok = (kpos >= lo) & (kpos >= 0)
+  kk = _gather_keys(k_ref, bt_ref, b, h, kpos, ok, spec)
+  return sample_max(kk, kpos, ok, ref)
 
 
 def _page_stats(spec: DecodeSpec, qf, sum_refs, page, h, count):
@@ -258,9 +269,9 @@ class _Program:
 
   def __init__(self, spec: DecodeSpec, refs: list, b, h):
     self.spec = spec
-    (self.len_ref, self.bt_ref, self.q_ref, self.k_ref,
-     self.v_ref) = refs[:5]
-    refs = list(refs[5:])
+    (self.len_ref, self.bt_ref, self.q_ref, self.k_ref, self.v_ref,
+     self.anchors_ref) = refs[:6]
+    refs = list(refs[6:])
     self.vr_ref = refs.pop(0) if spec.v8 else None
     self.sum_refs = (tuple(refs.pop(0) for _ in range(4))
                      if spec.summaries else None)
@@ -282,8 +293,9 @@ class _Program:
 
   def declared_reference(self):
     spec = self.spec
-    ref = _declared_reference(spec, self.q, self.k_ref, self.bt_ref, self.b,
-                              self.h, self.hi, self.lo, self.rows)
+    ref = _declared_reference(spec, self.q, self.k_ref, self.bt_ref,
+                              self.anchors_ref, self.b, self.h, self.hi,
+                              self.lo, self.rows)
     if spec.has_sinks:
       ref = jnp.maximum(ref, self.sink2())
     return jnp.where(ref == -jnp.inf, 0.0, ref)
@@ -389,7 +401,8 @@ def _split_kernel(*refs, spec: DecodeSpec, n_in: int):
 # ----------------------------------------------------------------------------
 # Kernel 2: one program per (sequence, KV head): the fixed-order sum
 # ----------------------------------------------------------------------------
-def _combine_kernel(*refs, spec: DecodeSpec, n_in: int, fallback: bool):
+def _combine_kernel(*refs, spec: DecodeSpec, n_in: int, n_chunks: int,
+                    fallback: bool):
   b, h = pl.program_id(0), pl.program_id(1)
   prog = _Program(spec, list(refs[:n_in]), b, h)
   extra = list(refs[n_in:])
@@ -398,17 +411,29 @@ def _combine_kernel(*refs, spec: DecodeSpec, n_in: int, fallback: bool):
   rmask = prog.row_ids < spec.rows_store
   rows = pl.ds(0, spec.rows_pad)
 
-  def add(c, carry):
+  def add(i, carry):
+    # COMBINE_UNROLL chunks per step: their loads are issued together, the
+    # additions happen in chunk order (the same bits as one at a time).
     acc, l, m = carry
-    acc = acc + plgpu.load(acc_ref.at[b, h, c, rows, :],
-                           mask=rmask[:, None], other=0.0)
-    l = l + plgpu.load(l_ref.at[b, h, c, rows], mask=rmask, other=0.0)
-    m = jnp.maximum(m, plgpu.load(m_ref.at[b, h, c, rows], mask=rmask,
-                                  other=-jnp.inf))
+    c0 = prog.c_lo + i * COMBINE_UNROLL
+    parts = []
+    for j in range(COMBINE_UNROLL):
+      c = c0 + j
+      live = c < c_end
+      cc = jnp.minimum(c, n_chunks - 1)
+      parts.append((
+          plgpu.load(acc_ref.at[b, h, cc, rows, :],
+                     mask=rmask[:, None] & live, other=0.0),
+          plgpu.load(l_ref.at[b, h, cc, rows], mask=rmask & live, other=0.0),
+          plgpu.load(m_ref.at[b, h, cc, rows], mask=rmask & live,
+                     other=-jnp.inf)))
+    for a, ll, mm in parts:
+      acc, l, m = acc + a, l + ll, jnp.maximum(m, mm)
     return acc, l, m
 
   c_end = jnp.maximum(prog.c_hi, prog.c_lo)
-  acc, l, m = lax.fori_loop(prog.c_lo, c_end, add, prog.zeros())
+  n_steps = lax.div(c_end - prog.c_lo + COMBINE_UNROLL - 1, COMBINE_UNROLL)
+  acc, l, m = lax.fori_loop(0, n_steps, add, prog.zeros())
   ref = plgpu.load(r_ref.at[b, h])
   if fallback:
     # Rows whose maximum passed the declared reference by more than the
@@ -447,15 +472,17 @@ def _full(shape):
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "fallback"))
-def fold_decode(q, k_pages, v_pages, block_table, lengths, *, spec: DecodeSpec,
-                v_res=None, v_scale=None, summaries=None, sinks=None,
-                fallback: bool = True):
+def fold_decode(q, k_pages, v_pages, block_table, lengths, anchors, *,
+                spec: DecodeSpec, v_res=None, v_scale=None, summaries=None,
+                sinks=None, fallback: bool = True):
   """Decode attention over a paged cache (see the module docstring).
 
   Args:
     q: [batch, heads_kv, rows_pad, d_pad] (rows r = t * group + g).
     k_pages, v_pages: [num_pages, page_size, heads_kv, d_pad].
     block_table: int32 [batch, max_pages]; lengths: int32 [batch].
+    anchors: [batch, max_pages, heads_kv, d_pad], the first key of each
+      logical page (`page_anchors`; FoldKVCache keeps it up to date).
     v_res, v_scale: the residual E4M3 plane and float32 [1] scale (v8).
     summaries: (kmax, kmin, ksum, ksumsq) [num_pages, heads_kv, d_pad]
       (depth only).
@@ -468,7 +495,7 @@ def fold_decode(q, k_pages, v_pages, block_table, lengths, *, spec: DecodeSpec,
     declared references [batch, heads_kv, rows_pad] actually used.
   """
   batch, heads_kv = q.shape[:2]
-  ins = [lengths, block_table, q, k_pages, v_pages]
+  ins = [lengths, block_table, q, k_pages, v_pages, anchors]
   if spec.v8:
     ins.append(v_res)
   if spec.summaries:
@@ -500,7 +527,7 @@ def fold_decode(q, k_pages, v_pages, block_table, lengths, *, spec: DecodeSpec,
                 sds((batch, heads_kv, rp), f32)]
   out, used = pl.pallas_call(
       functools.partial(_combine_kernel, spec=spec, n_in=n_in,
-                        fallback=fallback),
+                        n_chunks=n_chunks, fallback=fallback),
       grid=(batch, heads_kv),
       in_specs=[_full(a.shape) for a in args],
       out_specs=[_full(o.shape) for o in out_shapes],

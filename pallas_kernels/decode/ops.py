@@ -106,7 +106,15 @@ def make_spec(*, heads_q: int, heads_kv: int, q_len: int, head_dim: int,
       interpret=interpret)
 
 
-def paged_decode(q, k_pages, v_pages, block_table, lengths, *, page_size=None,
+def page_anchors(k_pages, block_table):
+  """[batch, max_pages, heads_kv, d_pad]: the first key of every logical page
+  (entries past a sequence's length are ignored by the kernel)."""
+  bt = jnp.clip(jnp.asarray(block_table, jnp.int32), 0, k_pages.shape[0] - 1)
+  return k_pages[bt, 0]
+
+
+def paged_decode(q, k_pages, v_pages, block_table, lengths, *, anchors=None,
+                 page_size=None,
                  chunk_tokens: int, softmax_scale=None, sinks=None,
                  window_left: int = -1, softcap: float = 0.0, depth=None,
                  v_res=None, v_scale=None, summaries=None,
@@ -119,7 +127,8 @@ def paged_decode(q, k_pages, v_pages, block_table, lengths, *, page_size=None,
 
   k_pages, v_pages: [num_pages, page_size, heads_kv, d_pad] with d_pad =
   head_dim rounded up to a power of two >= 16 (zero padded). v8 when v_res
-  is given (v_pages is then the coarse plane).
+  is given (v_pages is then the coarse plane). anchors: `page_anchors(k_pages,
+  block_table)` (computed here when None; a cache keeps it incrementally).
   """
   squeeze = q.ndim == 3
   if squeeze:
@@ -138,9 +147,12 @@ def paged_decode(q, k_pages, v_pages, block_table, lengths, *, page_size=None,
                    compute_capability=compute_capability, blocks=blocks)
   if spec.summaries and summaries is None:
     raise ValueError("depth decoding needs the page summaries.")
+  block_table = jnp.asarray(block_table, jnp.int32)
+  if anchors is None:
+    anchors = page_anchors(k_pages, block_table)
   out, ref = _paged_decode(
-      q, k_pages, v_pages, jnp.asarray(block_table, jnp.int32),
-      jnp.asarray(lengths, jnp.int32), v_res, v_scale,
+      q, k_pages, v_pages, block_table, jnp.asarray(lengths, jnp.int32),
+      anchors, v_res, v_scale,
       summaries if spec.summaries else None, sinks, spec=spec,
       fallback=fallback)
   if squeeze:
@@ -149,11 +161,11 @@ def paged_decode(q, k_pages, v_pages, block_table, lengths, *, page_size=None,
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "fallback"))
-def _paged_decode(q, k_pages, v_pages, block_table, lengths, v_res, v_scale,
-                  summaries, sinks, *, spec, fallback):
+def _paged_decode(q, k_pages, v_pages, block_table, lengths, anchors, v_res,
+                  v_scale, summaries, sinks, *, spec, fallback):
   b, q_len, hq, d = q.shape
   qa = arrange_queries(q, k_pages.shape[2], spec.d_pad)
-  out, ref = fold_decode(qa, k_pages, v_pages, block_table, lengths,
+  out, ref = fold_decode(qa, k_pages, v_pages, block_table, lengths, anchors,
                          spec=spec, v_res=v_res, v_scale=v_scale,
                          summaries=summaries, sinks=sinks, fallback=fallback)
   return unarrange_output(out, q_len, hq, d), ref
