@@ -1,0 +1,563 @@
+"""torch_bridge: the custom ops against torch's SDPA and a float64 torch
+reference (outputs, LSE and every gradient), gradcheck in float64, the custom
+op machinery (opcheck, torch.compile), the Pallas glue through the
+interpreted kernel, DLPack zero-copy and the allocator setting. CPU runs the
+XLA path; the `gpu` tests are for an NVIDIA GPU of compute capability 8.0+.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torch_bridge as tb
+from torch_bridge import _runtime as rt
+
+torch.manual_seed(0)
+HAS_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (
+    8, 0)
+
+
+# ----------------------------------------------------------------------------
+# References
+# ----------------------------------------------------------------------------
+
+def _visible(sq, sk, causal, window, q_seg=None, k_seg=None, b=1):
+  """bool [b, 1, sq, sk], bottom-right aligned (the package's convention)."""
+  left, right = window
+  if causal:
+    right = 0 if right < 0 else min(right, 0)
+  i = torch.arange(sq)[:, None]
+  j = torch.arange(sk)[None, :]
+  off = sk - sq
+  vis = torch.ones(sq, sk, dtype=torch.bool)
+  if right >= 0:
+    vis &= j <= i + off + right
+  if left >= 0:
+    vis &= j >= i + off - left
+  vis = vis[None, None].expand(b, 1, sq, sk)
+  if q_seg is not None:
+    same = (q_seg[:, :, None] == k_seg[:, None, :]) & (q_seg[:, :, None] >= 0)
+    vis = vis & same[:, None]
+  return vis
+
+
+def ref_attention(q, k, v, *, causal=False, window=(-1, -1), scale=None,
+                  softcap=0.0, sinks=None, q_seg=None, k_seg=None):
+  """Float64 torch reference in [b, s, h, d]; returns (out, lse [b, h, sq]).
+  A fully masked row gives 0 and lse -inf (or the sink)."""
+  q64, k64, v64 = (x.double() for x in (q, k, v))
+  b, sq, hq, d = q.shape
+  sk, hkv = k.shape[1], k.shape[2]
+  g = hq // hkv
+  scale = d ** -0.5 if scale is None else scale
+  kq = k64.repeat_interleave(g, dim=2)
+  vq = v64.repeat_interleave(g, dim=2)
+  s = torch.einsum("bqhd,bkhd->bhqk", q64, kq) * scale
+  if softcap:
+    s = softcap * torch.tanh(s / softcap)
+  vis = _visible(sq, sk, causal, window, q_seg, k_seg, b)
+  s = s.masked_fill(~vis, float("-inf"))
+  if sinks is not None:
+    col = sinks.double().reshape(1, hq, 1, 1).expand(b, hq, sq, 1)
+    s = torch.cat([s, col], dim=-1)
+  m = s.amax(-1, keepdim=True)
+  m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+  p = torch.exp(s - m)
+  den = p.sum(-1, keepdim=True)
+  lse = torch.where(den[..., 0] > 0, (m + torch.log(den))[..., 0],
+                    torch.full_like(den[..., 0], float("-inf")))
+  p = p / torch.where(den > 0, den, torch.ones_like(den))
+  if sinks is not None:
+    p = p[..., :-1]
+  out = torch.einsum("bhqk,bkhd->bqhd", p, vq)
+  return out, lse
+
+
+def sdpa(q, k, v, *, causal=False, window=(-1, -1), scale=None, q_seg=None,
+         k_seg=None):
+  """torch SDPA (float32) with the bottom-right mask, [b, s, h, d]."""
+  b, sq = q.shape[:2]
+  sk = k.shape[1]
+  mask = _visible(sq, sk, causal, window, q_seg, k_seg, b)
+  out = F.scaled_dot_product_attention(
+      q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+      attn_mask=mask, scale=scale, enable_gqa=q.shape[2] != k.shape[2])
+  return out.transpose(1, 2)
+
+
+def _qkv(b, sq, sk, hq, hkv, d, dtype=torch.float32, grad=True):
+  q = torch.randn(b, sq, hq, d, dtype=dtype)
+  k = torch.randn(b, sk, hkv, d, dtype=dtype)
+  v = torch.randn(b, sk, hkv, d, dtype=dtype)
+  return [x.requires_grad_(grad) for x in (q, k, v)]
+
+
+def _grads(out, inputs, g):
+  return torch.autograd.grad(out, inputs, g, allow_unused=True)
+
+
+def _close(a, b, tol):
+  torch.testing.assert_close(a.double(), b.double(), atol=tol, rtol=tol)
+
+
+# ----------------------------------------------------------------------------
+# Dense: outputs and gradients against SDPA, float32
+# ----------------------------------------------------------------------------
+
+SDPA_CASES = {
+    "plain": dict(b=2, sq=6, sk=6, hq=2, hkv=2, d=16),
+    "causal": dict(b=2, sq=7, sk=7, hq=2, hkv=2, d=16, causal=True),
+    "causal_bottom_right": dict(b=1, sq=4, sk=9, hq=2, hkv=2, d=16,
+                                causal=True),
+    "cross_noncausal": dict(b=2, sq=5, sk=11, hq=2, hkv=2, d=8),
+    "window": dict(b=1, sq=8, sk=8, hq=2, hkv=2, d=16, window=(2, 1)),
+    "causal_window_br": dict(b=2, sq=5, sk=9, hq=2, hkv=2, d=16, causal=True,
+                             window=(3, 0)),
+    "gqa_causal": dict(b=2, sq=6, sk=6, hq=4, hkv=2, d=16, causal=True),
+    "mqa": dict(b=1, sq=5, sk=7, hq=4, hkv=1, d=32),
+    "scale": dict(b=1, sq=6, sk=6, hq=2, hkv=1, d=16, causal=True,
+                  scale=0.3),
+    "segments": dict(b=2, sq=8, sk=8, hq=2, hkv=2, d=16, causal=True,
+                     segments=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SDPA_CASES))
+def test_dense_matches_sdpa(name):
+  c = dict(SDPA_CASES[name])
+  causal = c.pop("causal", False)
+  window = c.pop("window", (-1, -1))
+  scale = c.pop("scale", None)
+  segments = c.pop("segments", False)
+  q, k, v = _qkv(**c)
+  seg = None
+  q_seg = k_seg = None
+  if segments:
+    ids = torch.zeros(c["b"], c["sq"], dtype=torch.int32)
+    ids[:, 3:] = 1
+    ids[1, 6:] = 2
+    seg, q_seg, k_seg = ids, ids, ids
+  out = tb.fold_attn_func(q, k, v, causal=causal, softmax_scale=scale,
+                          window_size=window, segment_ids=seg)
+  ref = sdpa(q, k, v, causal=causal, window=window, scale=scale, q_seg=q_seg,
+             k_seg=k_seg)
+  assert out.shape == q.shape and out.dtype == q.dtype
+  _close(out, ref, 2e-5)
+  g = torch.randn_like(out)
+  for a, r in zip(_grads(out, (q, k, v), g), _grads(ref, (q, k, v), g)):
+    _close(a, r, 5e-5)
+
+
+def test_bf16_and_fp16_match_sdpa_loosely():
+  for dtype, tol in ((torch.bfloat16, 3e-2), (torch.float16, 5e-3)):
+    q, k, v = _qkv(2, 6, 8, 4, 2, 32, dtype=dtype)
+    out = tb.fold_attn_func(q, k, v, causal=True)
+    assert out.dtype == dtype
+    q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
+    ref = sdpa(q32, k32, v32, causal=True)
+    _close(out, ref, tol)
+    g = torch.randn_like(ref)
+    for a, r in zip(_grads(out, (q, k, v), g.to(dtype)),
+                    _grads(ref, (q32, k32, v32), g)):
+      assert a.dtype == dtype
+      _close(a, r, 4 * tol)
+
+
+# ----------------------------------------------------------------------------
+# Sinks, soft-cap, LSE against the float64 torch reference
+# ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("opts", [
+    dict(sinks=True),
+    dict(softcap=2.0),
+    dict(sinks=True, softcap=1.5, causal=True, window=(2, 0)),
+], ids=["sinks", "softcap", "sinks_softcap_window"])
+def test_sinks_softcap_match_reference(opts):
+  opts = dict(opts)
+  use_sinks = opts.pop("sinks", False)
+  q, k, v = _qkv(2, 5, 7, 4, 2, 16)
+  sinks = (torch.randn(4) * 2).requires_grad_() if use_sinks else None
+  window = opts.pop("window", (-1, -1))
+  out, lse = tb.fold_attn_func(q, k, v, sinks=sinks, window_size=window,
+                               return_lse=True, **opts)
+  ref, ref_lse = ref_attention(q, k, v, sinks=sinks, window=window, **opts)
+  _close(out, ref, 2e-5)
+  _close(lse, ref_lse, 2e-5)
+  assert lse.shape == (2, 4, 5) and lse.dtype == torch.float32
+  g = torch.randn_like(out)
+  gl = torch.randn_like(lse)
+  ins = (q, k, v) + ((sinks,) if use_sinks else ())
+  ours = _grads((out, lse), ins, (g, gl))
+  theirs = _grads((ref, ref_lse), ins, (g.double(), gl.double()))
+  for a, r in zip(ours, theirs):
+    _close(a, r, 5e-5)
+
+
+def test_fully_masked_rows_are_zero_with_zero_grads():
+  # causal with seq_q > seq_k: the first rows see no key.
+  q, k, v = _qkv(1, 6, 3, 2, 2, 8)
+  out, lse = tb.fold_attn_func(q, k, v, causal=True, return_lse=True)
+  assert torch.all(out[:, :3] == 0)
+  assert torch.all(torch.isneginf(lse[:, :, :3]))
+  ref, _ = ref_attention(q, k, v, causal=True)
+  _close(out, ref, 2e-5)
+  dq, = _grads(out.sum(), (q,), None)
+  assert torch.all(dq[:, :3] == 0) and torch.isfinite(dq).all()
+
+
+# ----------------------------------------------------------------------------
+# Varlen against per-sequence SDPA
+# ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (-1, -1)),
+                                           (True, (2, 0))])
+def test_varlen_matches_per_sequence_sdpa(causal, window):
+  cu_q = torch.tensor([0, 3, 8, 12], dtype=torch.int32)
+  cu_k = torch.tensor([0, 5, 9, 16], dtype=torch.int32)
+  tq, tk = 14, 16  # two query tokens past cu_q[-1] belong to no sequence
+  q = torch.randn(tq, 4, 16, requires_grad=True)
+  k = torch.randn(tk, 2, 16, requires_grad=True)
+  v = torch.randn(tk, 2, 16, requires_grad=True)
+  out = tb.fold_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 7, causal=causal,
+                                 window_size=window)
+  assert out.shape == q.shape
+  assert torch.all(out[12:] == 0)
+  parts = []
+  for i in range(3):
+    qs = q[None, cu_q[i]:cu_q[i + 1]]
+    ks = k[None, cu_k[i]:cu_k[i + 1]]
+    vs = v[None, cu_k[i]:cu_k[i + 1]]
+    parts.append(sdpa(qs, ks, vs, causal=causal, window=window)[0])
+  ref = torch.cat(parts + [torch.zeros(2, 4, 16)], dim=0)
+  _close(out, ref, 2e-5)
+  g = torch.randn_like(out)
+  for a, r in zip(_grads(out, (q, k, v), g), _grads(ref, (q, k, v), g)):
+    _close(a, r, 5e-5)
+
+
+def test_varlen_defaults_and_lse():
+  cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+  q, k, v = (torch.randn(9, 2, 8) for _ in range(3))
+  sinks = torch.randn(2)
+  out, lse = tb.fold_attn_varlen_func(q, k, v, cu, causal=True, sinks=sinks,
+                                      return_lse=True)
+  assert lse.shape == (2, 9)
+  for i in range(2):
+    sl = slice(int(cu[i]), int(cu[i + 1]))
+    r, rl = ref_attention(q[None, sl], k[None, sl], v[None, sl], causal=True,
+                          sinks=sinks)
+    _close(out[sl], r[0], 2e-5)
+    _close(lse[:, sl], rl[0], 2e-5)
+
+
+# ----------------------------------------------------------------------------
+# gradcheck (float64, XLA path)
+# ----------------------------------------------------------------------------
+
+def test_gradcheck_dense_float64():
+  q, k, v = _qkv(1, 3, 4, 2, 1, 4, dtype=torch.float64)
+  sinks = torch.randn(2, dtype=torch.float64, requires_grad=True)
+
+  def f(q, k, v, sinks):
+    out, lse = tb.fold_attn_func(q, k, v, causal=True, sinks=sinks,
+                                 softcap=3.0, return_lse=True)
+    return out, lse
+
+  out, _ = f(q, k, v, sinks)
+  assert out.dtype == torch.float64
+  assert torch.autograd.gradcheck(f, (q, k, v, sinks), eps=1e-6, atol=1e-6)
+
+
+def test_gradcheck_varlen_float64():
+  cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+  q = torch.randn(5, 2, 4, dtype=torch.float64, requires_grad=True)
+  k = torch.randn(5, 1, 4, dtype=torch.float64, requires_grad=True)
+  v = torch.randn(5, 1, 4, dtype=torch.float64, requires_grad=True)
+  f = lambda q, k, v: tb.fold_attn_varlen_func(q, k, v, cu, window_size=(1,
+                                                                         0))
+  assert torch.autograd.gradcheck(f, (q, k, v), eps=1e-6, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------
+# The custom ops: opcheck, the op's own autograd, torch.compile
+# ----------------------------------------------------------------------------
+
+def _op_args(q, k, v, sinks=None, backend="xla"):
+  d = q.shape[-1]
+  return (q, k, v, sinks, None, None, None, None, backend, True, -1, 0, 0.0,
+          d ** -0.5, 0, 0)
+
+
+def test_opcheck_forward_op():
+  q, k, v = _qkv(1, 4, 4, 2, 1, 8)
+  sinks = torch.randn(2, requires_grad=True)
+  torch.library.opcheck(torch.ops.foldax.attn_fwd.default,
+                        _op_args(q, k, v, sinks),
+                        test_utils=("test_schema",
+                                    "test_autograd_registration",
+                                    "test_faketensor"))
+
+
+def test_custom_op_autograd_matches_eager_path():
+  q, k, v = _qkv(2, 5, 5, 4, 2, 8)
+  sinks = torch.randn(4, requires_grad=True)
+  out_op, lse_op, _ = torch.ops.foldax.attn_fwd(*_op_args(q, k, v, sinks))
+  out = tb.fold_attn_func(q, k, v, causal=True, sinks=sinks)
+  assert torch.equal(out_op, out)
+  g = torch.randn_like(out)
+  for a, b in zip(_grads(out_op, (q, k, v, sinks), g),
+                  _grads(out, (q, k, v, sinks), g)):
+    assert torch.equal(a, b)
+
+
+class _Block(torch.nn.Module):
+
+  def __init__(self, dim=32, heads=4, kv_heads=2):
+    super().__init__()
+    self.h, self.hkv, self.d = heads, kv_heads, dim // heads
+    self.q = torch.nn.Linear(dim, dim)
+    self.kv = torch.nn.Linear(dim, 2 * kv_heads * self.d)
+    self.sinks = torch.nn.Parameter(torch.zeros(heads))
+
+  def forward(self, x):
+    b, s, _ = x.shape
+    q = self.q(x).view(b, s, self.h, self.d)
+    k, v = self.kv(x).view(b, s, 2, self.hkv, self.d).unbind(2)
+    out = tb.fold_attn_func(q, k, v, causal=True, sinks=self.sinks,
+                            softcap=5.0)
+    return out.reshape(b, s, -1).square().mean()
+
+
+def test_torch_compile_fullgraph_forward_backward():
+  torch.manual_seed(1)
+  block = _Block()
+  x = torch.randn(2, 8, 32)
+  eager_loss = block(x)
+  eager_grads = torch.autograd.grad(eager_loss, list(block.parameters()))
+  compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+  t0 = time.perf_counter()
+  loss = compiled(x)
+  grads = torch.autograd.grad(loss, list(block.parameters()))
+  assert time.perf_counter() - t0 < 120
+  torch.testing.assert_close(loss, eager_loss, atol=1e-6, rtol=1e-6)
+  for a, b in zip(grads, eager_grads):
+    torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------
+# Pallas glue (the interpreted kernel on CPU) against the XLA path
+# ----------------------------------------------------------------------------
+
+def test_interpret_backend_dense_matches_xla():
+  q, k, v = _qkv(2, 6, 6, 4, 2, 16)
+  sinks = torch.randn(4, requires_grad=True)
+  seg = torch.tensor([[0, 0, 0, 1, 1, 1], [0, 0, 0, 0, 0, 0]],
+                     dtype=torch.int32)
+  kw = dict(causal=True, sinks=sinks, softcap=4.0, segment_ids=seg,
+            return_lse=True)
+  out_i, lse_i = tb.fold_attn_func(q, k, v, backend="interpret", **kw)
+  out_x, lse_x = tb.fold_attn_func(q, k, v, backend="xla", **kw)
+  _close(out_i, out_x, 2e-5)
+  _close(lse_i, lse_x, 2e-5)
+  g, gl = torch.randn_like(out_i), torch.randn_like(lse_i)
+  for a, b in zip(_grads((out_i, lse_i), (q, k, v, sinks), (g, gl)),
+                  _grads((out_x, lse_x), (q, k, v, sinks), (g, gl))):
+    _close(a, b, 5e-5)
+
+
+def test_interpret_backend_varlen_matches_xla():
+  cu_q = torch.tensor([0, 3, 7], dtype=torch.int32)
+  cu_k = torch.tensor([0, 4, 9], dtype=torch.int32)
+  q = torch.randn(8, 2, 16, requires_grad=True)  # one token past cu_q[-1]
+  k = torch.randn(9, 1, 16, requires_grad=True)
+  v = torch.randn(9, 1, 16, requires_grad=True)
+  kw = dict(causal=True, return_lse=True)
+  out_i, lse_i = tb.fold_attn_varlen_func(q, k, v, cu_q, cu_k,
+                                          backend="interpret", **kw)
+  out_x, lse_x = tb.fold_attn_varlen_func(q, k, v, cu_q, cu_k, backend="xla",
+                                          **kw)
+  _close(out_i, out_x, 2e-5)
+  _close(lse_i, lse_x, 2e-5)
+  g = torch.randn_like(out_i)
+  for a, b in zip(_grads(out_i, (q, k, v), g), _grads(out_x, (q, k, v), g)):
+    _close(a, b, 5e-5)
+
+
+# ----------------------------------------------------------------------------
+# Layout, determinism, validation
+# ----------------------------------------------------------------------------
+
+def test_non_contiguous_inputs_and_grad_outputs():
+  q, k, v = _qkv(2, 4, 6, 2, 2, 8)
+  # [b, h, s, d] views, as transformers would hand them over.
+  qt = q.detach().transpose(1, 2).contiguous().transpose(1, 2)
+  qt = qt.requires_grad_()
+  kt = k.detach().permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+  assert not qt.is_contiguous() and not kt.is_contiguous()
+  out_a = tb.fold_attn_func(qt, kt, v, causal=True)
+  out_b = tb.fold_attn_func(q, k, v, causal=True)
+  assert torch.equal(out_a, out_b)
+  g = torch.randn(2, 2, 4, 8).transpose(1, 2)  # non-contiguous cotangent
+  assert torch.equal(_grads(out_a, (qt,), g)[0], _grads(out_b, (q,), g)[0])
+
+
+def test_backward_is_bitwise_repeatable():
+  q, k, v = _qkv(2, 9, 9, 4, 2, 16)
+  g = torch.randn(2, 9, 4, 16)
+  runs = [_grads(tb.fold_attn_func(q, k, v, causal=True), (q, k, v), g)
+          for _ in range(2)]
+  for a, b in zip(*runs):
+    assert torch.equal(a, b)
+
+
+def test_validation_errors_name_the_argument():
+  q, k, v = _qkv(1, 4, 4, 2, 2, 8, grad=False)
+  with pytest.raises(ValueError, match="q must have rank 4"):
+    tb.fold_attn_func(q[0], k, v)
+  with pytest.raises(TypeError, match="share one dtype"):
+    tb.fold_attn_func(q.half(), k, v)
+  with pytest.raises(ValueError, match="multiple of heads_kv"):
+    tb.fold_attn_func(torch.randn(1, 4, 3, 8), k, v)
+  with pytest.raises(TypeError, match="window_size"):
+    tb.fold_attn_func(q, k, v, window_size=3)
+  with pytest.raises(ValueError, match="sinks must have shape"):
+    tb.fold_attn_func(q, k, v, sinks=torch.zeros(3))
+  with pytest.raises(ValueError, match="backend"):
+    tb.fold_attn_func(q, k, v, backend="cuda")
+  with pytest.raises(TypeError, match="float64"):
+    tb.fold_attn_func(q.double(), k.double(), v.double(), backend="interpret")
+
+
+# ----------------------------------------------------------------------------
+# DLPack and process setup
+# ----------------------------------------------------------------------------
+
+def test_cpu_dlpack_is_zero_copy_both_ways():
+  import jax.numpy as jnp
+  target = rt.target_for(torch.device("cpu"), torch.float32)
+  t = torch.randn(2, 8, 4, 16)
+  a = rt.Importer(target)(t)
+  assert a.unsafe_buffer_pointer() == t.data_ptr()
+  b = jnp.ones((3, 5), jnp.float32) * 2
+  (tt,) = rt.export([b], target)
+  assert tt.data_ptr() == b.unsafe_buffer_pointer()
+  assert torch.equal(tt, torch.full((3, 5), 2.0))
+
+
+def test_import_sets_jax_allocator_before_jax_starts():
+  code = ("import os, torch_bridge; "
+          "print(os.environ.get('XLA_PYTHON_CLIENT_PREALLOCATE'))")
+  env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_PYTHON")}
+  r = subprocess.run([sys.executable, "-c", code], env=env,
+                     capture_output=True, text=True, timeout=120)
+  assert r.returncode == 0, r.stderr
+  assert r.stdout.strip() == "false"
+  env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = ".5"
+  r = subprocess.run([sys.executable, "-c", code], env=env,
+                     capture_output=True, text=True, timeout=120)
+  assert r.stdout.strip() == "None"  # the user's choice wins
+
+
+def test_cpu_backend_is_announced_once(caplog):
+  rt._announced.discard(next((m for m in rt._announced if "XLA path" in m),
+                             ""))
+  rt._targets.clear()
+  import logging
+  with caplog.at_level(logging.WARNING, logger="torch_bridge"):
+    q, k, v = _qkv(1, 4, 4, 2, 2, 8, grad=False)
+    tb.fold_attn_func(q, k, v)
+    tb.fold_attn_func(q, k, v, causal=True)
+  msgs = [r.getMessage() for r in caplog.records if "XLA path" in
+          r.getMessage()]
+  assert len(msgs) == 1 and "CPU" in msgs[0]
+
+
+# ----------------------------------------------------------------------------
+# GPU (the lead's H200 run): pallas backend, zero copy, streams
+# ----------------------------------------------------------------------------
+
+gpu = pytest.mark.skipif(not HAS_GPU, reason="needs an NVIDIA GPU (sm80+)")
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_zero_copy_both_ways():
+  import jax.numpy as jnp
+  t = torch.randn(2, 128, 8, 64, device="cuda", dtype=torch.bfloat16)
+  target = rt.target_for(t.device, t.dtype)
+  assert target.backend == "pallas" and target.cuda
+  a = rt.Importer(target)(t)
+  assert a.unsafe_buffer_pointer() == t.data_ptr()
+  b = jnp.ones((4, 8), jnp.float32)
+  b = jax_device_put(b, target.jax_device)
+  (tt,) = rt.export([b], target)
+  assert tt.device.type == "cuda"
+  assert tt.data_ptr() == b.unsafe_buffer_pointer()
+
+
+def jax_device_put(x, dev):
+  import jax
+  return jax.device_put(x, dev)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_matches_sdpa(dtype):
+  q, k, v = (x.detach().cuda().to(dtype).requires_grad_()
+             for x in _qkv(2, 256, 256, 8, 2, 128, grad=False))
+  out = tb.fold_attn_func(q, k, v, causal=True)
+  ref = F.scaled_dot_product_attention(
+      *(x.float().transpose(1, 2) for x in (q, k, v)), is_causal=True,
+      enable_gqa=True).transpose(1, 2)
+  tol = 2e-2 if dtype == torch.bfloat16 else 2e-4
+  _close(out, ref, tol)
+  g = torch.randn_like(out)
+  a = _grads(out, (q, k, v), g)
+  r = _grads(ref, (q, k, v), g.float())
+  for x, y in zip(a, r):
+    _close(x, y, 5 * tol)
+  b = _grads(tb.fold_attn_func(q, k, v, causal=True), (q, k, v), g)
+  for x, y in zip(a, b):
+    assert torch.equal(x, y)  # bitwise repeatable backward
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_stream_ordering():
+  """Inputs written by a long torch kernel right before the call, outputs
+  read right after, on a non-default torch stream: no host sync in between."""
+  side = torch.cuda.Stream()
+  torch.cuda.synchronize()
+  with torch.cuda.stream(side):
+    big = torch.randn(4096, 4096, device="cuda")
+    q = torch.zeros(1, 512, 8, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.zeros(1, 512, 8, 64, device="cuda", dtype=torch.bfloat16)
+    v = torch.zeros(1, 512, 8, 64, device="cuda", dtype=torch.bfloat16)
+    for _ in range(8):  # keep the stream busy before q/k/v get their values
+      big = big @ big * 1e-3
+    src = torch.randn(3, 1, 512, 8, 64, device="cuda", dtype=torch.bfloat16)
+    q.copy_(src[0]); k.copy_(src[1]); v.copy_(src[2])
+    out = tb.fold_attn_func(q, k, v, causal=True)
+    res = out.float() * 2  # consumed on the same stream, no sync
+  torch.cuda.synchronize()
+  ref = tb.fold_attn_func(src[0], src[1], src[2], causal=True)
+  assert torch.equal(res, ref.float() * 2)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_overhead_report():
+  """Bridge time minus the JAX call alone at B1 H16 S128 D128 (target <=
+  25 us on the H200); printed, and bounded loosely here."""
+  from torch_bridge import bench
+  r = bench.overhead(seq=128, iters=200)
+  print(r)
+  assert r["overhead_us"] < 200

@@ -1,0 +1,313 @@
+"""Process-level plumbing of the bridge: JAX's GPU allocator, the backend
+choice per torch device, and the DLPack hand-off with stream ordering.
+
+Imported by `torch_bridge/__init__.py` before anything imports JAX's backends.
+
+Allocator
+---------
+JAX preallocates 75% of every GPU when its GPU backend starts
+(`XLA_PYTHON_CLIENT_PREALLOCATE`, default true), which would leave torch a
+quarter of the card. Unless the user set `XLA_PYTHON_CLIENT_PREALLOCATE`,
+`XLA_PYTHON_CLIENT_MEM_FRACTION` or `XLA_PYTHON_CLIENT_ALLOCATOR` themselves,
+importing the bridge sets `XLA_PYTHON_CLIENT_PREALLOCATE=false`: JAX's BFC
+allocator then grows on demand (up to the default 75% cap, shared with
+torch's caching allocator; memory JAX has taken stays in JAX's pool for reuse
+by later JAX calls). Outputs of bridge calls live in JAX's pool and are
+borrowed by torch through DLPack. If JAX's backends were already initialised
+when the bridge was imported, the setting cannot take effect; the bridge
+warns once (on GPU machines only) when that may have preallocated.
+
+DLPack and streams (GPU)
+------------------------
+torch -> JAX: one CUDA event is recorded on torch's current stream and the
+stream JAX uses for external buffers (`Device.get_stream_for_external_ready_
+events()`) waits on it (`cudaStreamWaitEvent`, no host synchronisation); each
+tensor is then imported with that stream, so every JAX computation of the
+call is ordered after the torch work that produced its inputs. One event per
+call instead of one per tensor (what `jax.dlpack.from_dlpack` does through
+`torch.Tensor.__dlpack__(stream=...)`).
+
+JAX -> torch: each output is exported with torch's current stream as the
+consumer stream (`buffer_to_dlpack_managed_tensor(buf, stream=...)`), which
+makes that stream wait for the output's ready event: again no host sync.
+
+Lifetimes: an imported JAX array holds its DLPack capsule, and with it the
+torch storage, until JAX's stream has finished with it (PJRT defers the
+release of external buffers to the end of their usage events); torch tensors
+made from JAX outputs hold the JAX buffers. A torch tensor that dies before
+the JAX work is done returns its memory to torch's caching allocator, whose
+reuse on torch's current stream is ordered after our wait on the outputs.
+Imported buffers are never donated. Inputs are `.detach()`ed and made
+contiguous only when they are not.
+
+`FOLDAX_TORCH_DLPACK=protocol` switches to the public DLPack protocol
+(`jax.dlpack.from_dlpack` / `torch.from_dlpack`, one event per tensor): the
+fallback used automatically if JAX's low-level entry points are missing.
+
+On CPU, JAX dispatches asynchronously: the bridge blocks until the outputs
+are ready before handing them to torch (torch's CPU kernels run eagerly).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+_ALLOC_VARS = ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION",
+               "XLA_PYTHON_CLIENT_ALLOCATOR")
+
+log = logging.getLogger("torch_bridge")
+_announced: set[str] = set()
+_lock = threading.Lock()
+
+
+def announce(msg: str) -> None:
+  """Logs `msg` as a warning once per process."""
+  with _lock:
+    if msg in _announced:
+      return
+    _announced.add(msg)
+  log.warning(msg)
+
+
+def configure_jax_allocator() -> bool:
+  """Sets XLA_PYTHON_CLIENT_PREALLOCATE=false unless the user chose an
+  allocator setting. Returns True when it set the variable."""
+  if any(v in os.environ for v in _ALLOC_VARS):
+    return False
+  os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+  return True
+
+
+def warn_if_jax_initialised_early(set_by_us: bool) -> None:
+  """Warns (once) if JAX's GPU backend started before the bridge could set
+  its allocator: it may then hold 75% of the GPU."""
+  import sys
+  if not set_by_us or "jax" not in sys.modules:
+    return
+  try:
+    from jax._src import xla_bridge
+    initialised = xla_bridge.backends_are_initialized()
+  except Exception:  # pragma: no cover - private API moved
+    return
+  if not initialised:
+    return
+  import jax
+  try:
+    gpu = any(d.platform == "gpu" for d in jax.devices())
+  except RuntimeError:
+    gpu = False
+  if gpu:
+    announce(
+        "torch_bridge: JAX's GPU backend was initialised before torch_bridge "
+        "was imported, so XLA_PYTHON_CLIENT_PREALLOCATE=false came too late; "
+        "JAX may have preallocated 75% of the GPU underneath torch. Import "
+        "torch_bridge (or set XLA_PYTHON_CLIENT_PREALLOCATE=false) before "
+        "using JAX.")
+
+
+# ----------------------------------------------------------------------------
+# Devices and backends
+# ----------------------------------------------------------------------------
+
+class Target:
+  """Where a call runs: the JAX device, how tensors travel, which backend."""
+
+  __slots__ = ("torch_device", "jax_device", "backend", "host_copy",
+               "cuda", "dl_type")
+
+  def __init__(self, torch_device, jax_device, backend, host_copy):
+    self.torch_device = torch_device
+    self.jax_device = jax_device
+    self.backend = backend
+    self.host_copy = host_copy  # CUDA tensors through a CPU-only jaxlib
+    self.cuda = torch_device.type == "cuda" and not host_copy
+    self.dl_type = 2 if self.cuda else 1  # kDLCUDA / kDLCPU
+
+
+_targets: dict = {}
+
+
+def _jax_cuda_device(index: int):
+  import jax
+  from jax._src import xla_bridge
+  try:
+    backend = xla_bridge.get_backend("cuda")
+  except RuntimeError:
+    return None
+  try:
+    return backend.device_from_local_hardware_id(index)
+  except Exception:  # pragma: no cover
+    devs = [d for d in jax.devices("cuda") if d.local_hardware_id == index]
+    return devs[0] if devs else None
+
+
+def target_for(device, dtype, backend: str = "auto") -> Target:
+  """The Target of tensors on `device` with `dtype` (cached)."""
+  key = (device.type, device.index, dtype, backend)
+  t = _targets.get(key)
+  if t is None:
+    t = _make_target(device, dtype, backend)
+    _targets[key] = t
+  return t
+
+
+def _make_target(device, dtype, backend: str) -> Target:
+  import jax
+  import torch
+  if backend not in ("auto", "pallas", "interpret", "xla"):
+    raise ValueError("backend must be one of ('auto', 'pallas', 'interpret', "
+                     f"'xla'); got {backend!r}.")
+  host_copy = False
+  if device.type == "cuda":
+    index = device.index if device.index is not None else \
+        torch.cuda.current_device()
+    jdev = _jax_cuda_device(index)
+    if jdev is None:
+      announce("torch_bridge: tensors are on CUDA but this jaxlib has no CUDA "
+               "backend (pip install 'foldax[cuda]'); the bridge copies them "
+               "to the host and runs the XLA path on CPU (slow).")
+      jdev = jax.devices("cpu")[0]
+      host_copy = True
+      cc = None
+    else:
+      cc = torch.cuda.get_device_capability(index)
+  elif device.type == "cpu":
+    jdev = jax.devices("cpu")[0]
+    cc = None
+  else:
+    raise ValueError(f"torch_bridge supports CPU and CUDA tensors; got a "
+                     f"tensor on {device}.")
+  if dtype == torch.float64:
+    if backend in ("pallas", "interpret"):
+      raise TypeError(f"backend={backend!r} supports bf16, fp16 and fp32; "
+                      "float64 runs on the XLA path only (backend='xla' or "
+                      "'auto').")
+    return Target(device, jdev, "xla", host_copy)
+  if backend == "auto":
+    if cc is not None and cc >= (8, 0):
+      backend = "pallas"
+      announce(f"torch_bridge: attention runs the Pallas (Triton) kernel on "
+               f"{device} (compute capability {cc[0]}.{cc[1]}).")
+    else:
+      why = ("the tensors are on the CPU" if device.type == "cpu" else
+             "jaxlib has no CUDA backend" if cc is None else
+             f"compute capability {cc[0]}.{cc[1]} < 8.0")
+      announce(f"torch_bridge: attention runs JAX's XLA path ({why}); the "
+               "Pallas kernel needs an NVIDIA GPU of compute capability 8.0+.")
+      backend = "xla"
+  elif backend == "pallas" and (cc is None or cc < (8, 0)):
+    raise ValueError("backend='pallas' needs CUDA tensors on a GPU of compute "
+                     f"capability 8.0+ and a CUDA jaxlib; got {device}.")
+  return Target(device, jdev, backend, host_copy)
+
+
+# ----------------------------------------------------------------------------
+# DLPack hand-off
+# ----------------------------------------------------------------------------
+
+_low_level = os.environ.get("FOLDAX_TORCH_DLPACK", "fast") != "protocol"
+_cuda_sync: dict = {}  # device index -> (event, {jax stream ptr: ExternalStream})
+
+
+def _jax_internal():
+  from jax._src.lib import _jax
+  return _jax
+
+
+def _order_jax_after_torch(target: Target):
+  """Makes JAX's external-ready stream wait on torch's current stream;
+  returns that stream (int) for the imports of this call."""
+  import torch
+  stream = target.jax_device.get_stream_for_external_ready_events()
+  dev = target.torch_device
+  idx = dev.index if dev.index is not None else torch.cuda.current_device()
+  entry = _cuda_sync.get(idx)
+  if entry is None:
+    entry = (torch.cuda.Event(), {})
+    _cuda_sync[idx] = entry
+  event, streams = entry
+  ext = streams.get(stream)
+  if ext is None:
+    ext = torch.cuda.ExternalStream(stream, device=torch.device("cuda", idx))
+    streams[stream] = ext
+  event.record(torch.cuda.current_stream(idx))
+  ext.wait_event(event)
+  return stream
+
+
+class Importer:
+  """Imports the torch tensors of one call into JAX (see module docs)."""
+
+  __slots__ = ("target", "stream")
+
+  def __init__(self, target: Target):
+    global _low_level
+    self.target = target
+    self.stream = None
+    if target.cuda and _low_level:
+      try:
+        self.stream = _order_jax_after_torch(target)
+      except Exception as e:  # pragma: no cover - GPU only
+        _low_level = False
+        announce(f"torch_bridge: fast CUDA stream hand-off unavailable ({e!r});"
+                 " using the DLPack protocol (one event per tensor).")
+
+  def __call__(self, t):
+    if t is None:
+      return None
+    global _low_level
+    t = t.detach()
+    if not t.is_contiguous():
+      t = t.contiguous()
+    if self.target.host_copy:
+      t = t.cpu()
+    if _low_level:
+      try:
+        import torch.utils.dlpack as tud
+        return _jax_internal().dlpack_managed_tensor_to_buffer(
+            tud.to_dlpack(t), self.target.jax_device, self.stream, None,
+            self.target.dl_type)
+      except Exception as e:
+        if self.target.cuda:  # pragma: no cover - GPU only
+          _low_level = False
+          announce(f"torch_bridge: low-level DLPack import failed ({e!r}); "
+                   "using the DLPack protocol.")
+        # CPU: e.g. a misaligned buffer; the public path may copy.
+    import jax
+    return jax.dlpack.from_dlpack(t)
+
+
+def export(arrays, target: Target):
+  """JAX arrays -> torch tensors on the target device (None passes)."""
+  global _low_level
+  import torch
+  import torch.utils.dlpack as tud
+  if not target.cuda:
+    import jax
+    jax.block_until_ready([a for a in arrays if a is not None])
+  out = []
+  stream = None
+  if target.cuda:
+    s = torch.cuda.current_stream(target.torch_device)
+    stream = s.cuda_stream or 1  # 1: the legacy default stream (DLPack spec)
+  for a in arrays:
+    if a is None:
+      out.append(None)
+      continue
+    t = None
+    if _low_level:
+      try:
+        t = tud.from_dlpack(_jax_internal().buffer_to_dlpack_managed_tensor(
+            a, stream=stream))
+      except Exception as e:  # pragma: no cover
+        _low_level = False
+        announce(f"torch_bridge: low-level DLPack export failed ({e!r}); "
+                 "using the DLPack protocol.")
+    if t is None:
+      t = torch.from_dlpack(a)
+    if target.host_copy:
+      t = t.to(target.torch_device)
+    out.append(t)
+  return out

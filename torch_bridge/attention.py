@@ -1,0 +1,490 @@
+"""`fold_attn_func` and `fold_attn_varlen_func` for torch tensors.
+
+Both are `torch.library.custom_op`s (`foldax::attn_fwd`, `foldax::attn_bwd`)
+with fake (meta) implementations and a registered autograd formula, so they
+work eagerly, under autograd (including double-backward-free training loops
+and `torch.utils.checkpoint`) and under `torch.compile(fullgraph=True)`.
+Each op hands its tensors to a jit-compiled JAX function through DLPack (no
+copy; see `torch_bridge._runtime` for the stream and lifetime rules) and
+returns JAX's outputs as torch tensors. The backward op feeds the saved
+output and log-sum-exp to the same VJP the JAX API uses; nothing is
+recomputed and the gradients are bitwise deterministic.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from torch_bridge import _runtime as rt
+
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+# ----------------------------------------------------------------------------
+# The two custom ops
+# ----------------------------------------------------------------------------
+
+def _cfg(backend, causal, left, right, softcap, scale, mq, mk, varlen):
+  from torch_bridge._jax_side import AttnConfig
+  return AttnConfig(backend=backend, varlen=varlen, causal=bool(causal),
+                    left=int(left), right=int(right), softcap=float(softcap),
+                    scale=float(scale), max_seqlen_q=int(mq),
+                    max_seqlen_k=int(mk))
+
+
+class _X64:
+  """`jax.enable_x64` around float64 calls (the XLA path's gradcheck)."""
+
+  def __init__(self, on: bool):
+    self.on = on
+    self.cm = None
+
+  def __enter__(self):
+    if self.on:
+      import jax
+      self.cm = jax.enable_x64(True)
+      self.cm.__enter__()
+
+  def __exit__(self, *exc):
+    if self.cm is not None:
+      self.cm.__exit__(*exc)
+
+
+def _lse_shape(q: Tensor, varlen: bool):
+  if varlen:
+    return (q.shape[1], q.shape[0])
+  return (q.shape[0], q.shape[2], q.shape[1])
+
+
+def _aux_shape(q: Tensor, varlen: bool, backend: str):
+  if backend == "xla":
+    return (0,)
+  total = q.shape[0] if varlen else q.shape[0] * q.shape[1]
+  return (q.shape[-2], total)
+
+
+class _Plan:
+  """Everything static about one configuration of a call: the jitted JAX
+  functions, the target device and whether float64 needs `enable_x64`."""
+
+  __slots__ = ("fwd", "bwd", "target", "x64", "backend")
+
+  def __init__(self, static, device, dtype):
+    from torch_bridge._jax_side import backward_fn, forward_fn
+    backend, causal, left, right, softcap, scale, mq, mk, varlen = static
+    cfg = _cfg(backend, causal, left, right, softcap, scale, mq, mk, varlen)
+    self.fwd = forward_fn(cfg)
+    self.bwd = backward_fn(cfg)
+    self.target = rt.target_for(device, dtype, backend)
+    self.x64 = dtype == torch.float64
+    self.backend = backend
+
+
+_plans: dict = {}
+
+
+def _plan(static, device, dtype) -> _Plan:
+  key = (static, device, dtype)
+  p = _plans.get(key)
+  if p is None:
+    p = _plans[key] = _Plan(static, device, dtype)
+  return p
+
+
+def _fwd_impl(q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, static):
+  p = _plan(static, q.device, q.dtype)
+  with _X64(p.x64):
+    imp = rt.Importer(p.target)
+    out, lse, aux = p.fwd(imp(q), imp(k), imp(v), imp(sinks), imp(q_seg),
+                          imp(k_seg), imp(cu_q), imp(cu_k))
+    out, lse, aux = rt.export((out, lse, aux), p.target)
+  if aux is None:
+    aux = q.new_empty((0,), dtype=torch.float32)
+  return out, lse, aux
+
+
+def _bwd_impl(dout, dlse, q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, out, lse,
+              aux, static):
+  p = _plan(static, q.device, q.dtype)
+  with _X64(p.x64):
+    imp = rt.Importer(p.target)
+    grads = p.bwd(imp(q), imp(k), imp(v), imp(sinks), imp(q_seg), imp(k_seg),
+                  imp(cu_q), imp(cu_k), imp(out), imp(lse),
+                  None if p.backend == "xla" else imp(aux), imp(dout),
+                  imp(dlse))
+    dq, dk, dv, ds = rt.export(grads, p.target)
+  if ds is None:
+    ds = q.new_empty((0,), dtype=torch.float32)
+  return dq, dk, dv, ds
+
+
+@torch.library.custom_op("foldax::attn_fwd", mutates_args=())
+def attn_fwd(q: Tensor, k: Tensor, v: Tensor, sinks: Optional[Tensor],
+             q_seg: Optional[Tensor], k_seg: Optional[Tensor],
+             cu_q: Optional[Tensor], cu_k: Optional[Tensor], backend: str,
+             causal: bool, left: int, right: int, softcap: float,
+             scale: float, max_seqlen_q: int, max_seqlen_k: int
+             ) -> tuple[Tensor, Tensor, Tensor]:
+  """out, lse (float32), aux (the Pallas kernel's base-2 LSE, or empty)."""
+  static = (backend, causal, left, right, softcap, scale, max_seqlen_q,
+            max_seqlen_k, cu_q is not None)
+  return _fwd_impl(q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, static)
+
+
+@attn_fwd.register_fake
+def _(q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, backend, causal, left, right,
+      softcap, scale, max_seqlen_q, max_seqlen_k):
+  varlen = cu_q is not None
+  out = torch.empty_like(q, memory_format=torch.contiguous_format)
+  lse = q.new_empty(_lse_shape(q, varlen), dtype=torch.float32)
+  aux = q.new_empty(_aux_shape(q, varlen, backend), dtype=torch.float32)
+  return out, lse, aux
+
+
+@torch.library.custom_op("foldax::attn_bwd", mutates_args=())
+def attn_bwd(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor,
+             v: Tensor, sinks: Optional[Tensor], q_seg: Optional[Tensor],
+             k_seg: Optional[Tensor], cu_q: Optional[Tensor],
+             cu_k: Optional[Tensor], out: Tensor, lse: Tensor, aux: Tensor,
+             backend: str, causal: bool, left: int, right: int,
+             softcap: float, scale: float, max_seqlen_q: int,
+             max_seqlen_k: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+  """dq, dk, dv, dsinks (empty when there are no sinks)."""
+  static = (backend, causal, left, right, softcap, scale, max_seqlen_q,
+            max_seqlen_k, cu_q is not None)
+  return _bwd_impl(dout, dlse, q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, out,
+                   lse, aux, static)
+
+
+@attn_bwd.register_fake
+def _(dout, dlse, q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, out, lse, aux,
+      backend, causal, left, right, softcap, scale, max_seqlen_q,
+      max_seqlen_k):
+  ds = (torch.empty_like(sinks) if sinks is not None else
+        q.new_empty((0,), dtype=torch.float32))
+  return (torch.empty_like(q, memory_format=torch.contiguous_format),
+          torch.empty_like(k, memory_format=torch.contiguous_format),
+          torch.empty_like(v, memory_format=torch.contiguous_format), ds)
+
+
+_N_STATIC = 8  # backend .. max_seqlen_k
+
+
+def _setup_context(ctx, inputs, output):
+  q, k, v, sinks, q_seg, k_seg, cu_q, cu_k = inputs[:8]
+  out, lse, aux = output
+  ctx.save_for_backward(q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, out, lse,
+                        aux)
+  ctx.static = tuple(inputs[8:])
+
+
+def _backward(ctx, dout, dlse, daux):
+  del daux
+  q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, out, lse, aux = ctx.saved_tensors
+  need = ctx.needs_input_grad
+  if not any(need[:4]):
+    return (None,) * (8 + _N_STATIC)
+  if dout is None:
+    dout = torch.zeros_like(out)
+  dq, dk, dv, ds = torch.ops.foldax.attn_bwd(
+      dout, dlse, q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, out, lse, aux,
+      *ctx.static)
+  return ((dq if need[0] else None), (dk if need[1] else None),
+          (dv if need[2] else None),
+          (ds if sinks is not None and need[3] else None),
+          *(None,) * (4 + _N_STATIC))
+
+
+attn_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerAttn(torch.autograd.Function):
+  """The same forward/backward as the custom ops without the dispatcher's
+  Python round trips: what eager calls use (torch.compile traces the ops)."""
+
+  @staticmethod
+  def forward(ctx, q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, static):
+    out, lse, aux = _fwd_impl(q, k, v, sinks, q_seg, k_seg, cu_q, cu_k,
+                              static)
+    ctx.save_for_backward(q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, out, lse,
+                          aux)
+    ctx.static = static
+    ctx.mark_non_differentiable(aux)
+    ctx.set_materialize_grads(False)
+    return out, lse, aux
+
+  @staticmethod
+  def backward(ctx, dout, dlse, daux):
+    q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, out, lse, aux = \
+        ctx.saved_tensors
+    need = ctx.needs_input_grad
+    if dout is None and dlse is None:
+      return (None,) * 9
+    if dout is None:
+      dout = torch.zeros_like(out)
+    dq, dk, dv, ds = _bwd_impl(dout, dlse, q, k, v, sinks, q_seg, k_seg,
+                               cu_q, cu_k, out, lse, aux, ctx.static)
+    return ((dq if need[0] else None), (dk if need[1] else None),
+            (dv if need[2] else None),
+            (ds if sinks is not None and need[3] else None),
+            None, None, None, None, None)
+
+
+def _call(q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, static):
+  """Dispatches to the custom op (compiling), the autograd.Function (eager
+  with grad) or the forward alone (no grad)."""
+  if torch.compiler.is_compiling():
+    return torch.ops.foldax.attn_fwd(q, k, v, sinks, q_seg, k_seg, cu_q, cu_k,
+                                     *static[:8])
+  if torch.is_grad_enabled() and (
+      q.requires_grad or k.requires_grad or v.requires_grad or
+      (sinks is not None and sinks.requires_grad)):
+    return _EagerAttn.apply(q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, static)
+  return _fwd_impl(q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, static)
+
+
+# ----------------------------------------------------------------------------
+# Validation and backend choice (torch side)
+# ----------------------------------------------------------------------------
+
+@torch._dynamo.assume_constant_result
+def _resolve_backend(device_type: str, index, dtype, backend: str) -> str:
+  device = torch.device(device_type, index) if index is not None else \
+      torch.device(device_type)
+  return rt.target_for(device, dtype, backend).backend
+
+
+def resolve_backend(t: Tensor, backend: str = "auto") -> str:
+  """"xla", "pallas" or "interpret" for tensors like `t` (logged once)."""
+  return _resolve_backend(t.device.type, t.device.index, t.dtype, backend)
+
+
+def _check_tensor(name, x, ndim, layout):
+  if not isinstance(x, Tensor):
+    raise TypeError(f"{name} must be a torch.Tensor with layout {layout}; got "
+                    f"{type(x).__name__}.")
+  if x.dim() != ndim:
+    raise ValueError(f"{name} must have rank {ndim} (layout {layout}); got "
+                     f"shape {tuple(x.shape)}.")
+
+
+def _check_qkv(q, k, v, packed: bool):
+  rank = 3 if packed else 4
+  lq = ("[total_q, heads_q, head_dim]" if packed else
+        "[batch, seq_q, heads_q, head_dim]")
+  lk = ("[total_k, heads_kv, head_dim]" if packed else
+        "[batch, seq_k, heads_kv, head_dim]")
+  _check_tensor("q", q, rank, lq)
+  _check_tensor("k", k, rank, lk)
+  _check_tensor("v", v, rank, lk)
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    if x.dtype not in _FLOAT_DTYPES:
+      raise TypeError(f"{name} has dtype {x.dtype}; supported dtypes are "
+                      "bfloat16, float16, float32 (and float64 on the XLA "
+                      "path).")
+  if not (q.dtype == k.dtype == v.dtype):
+    raise TypeError(f"q, k and v must share one dtype; got q {q.dtype}, k "
+                    f"{k.dtype}, v {v.dtype}.")
+  if not (q.device == k.device == v.device):
+    raise ValueError(f"q, k and v must be on one device; got {q.device}, "
+                     f"{k.device}, {v.device}.")
+  if k.shape != v.shape:
+    raise ValueError(f"k and v must have the same shape; got k "
+                     f"{tuple(k.shape)} and v {tuple(v.shape)}.")
+  if not packed and q.shape[0] != k.shape[0]:
+    raise ValueError(f"q and k must have the same batch size; got {q.shape[0]}"
+                     f" and {k.shape[0]}.")
+  d = q.shape[-1]
+  if k.shape[-1] != d:
+    raise ValueError(f"k head_dim {k.shape[-1]} must equal q head_dim {d}.")
+  if not 1 <= d <= 256:
+    raise ValueError(f"head_dim is {d}; supported head dims are 1..256.")
+  hq, hkv = q.shape[-2], k.shape[-2]
+  if hkv < 1 or hq % hkv:
+    raise ValueError(f"heads_q ({hq}) must be a multiple of heads_kv ({hkv}) "
+                     "for GQA/MQA.")
+  if q.shape[-3] < 1 or k.shape[-3] < 1:
+    raise ValueError(f"sequence lengths must be >= 1; got q {tuple(q.shape)} "
+                     f"and k {tuple(k.shape)}.")
+
+
+def _check_options(q, window_size, softcap, softmax_scale, sinks, causal):
+  if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2 or
+      not all(isinstance(w, int) and not isinstance(w, bool)
+              for w in window_size)):
+    raise TypeError("window_size must be a pair of Python ints (left, right) "
+                    f"with -1 meaning unbounded; got {window_size!r}.")
+  left, right = int(window_size[0]), int(window_size[1])
+  if left < -1 or right < -1:
+    raise ValueError(f"window_size entries must be >= -1; got {window_size!r}.")
+  if causal:
+    right = 0 if right < 0 else min(right, 0)
+  if softcap is None:
+    softcap = 0.0
+  if not isinstance(softcap, (int, float)) or isinstance(softcap, bool):
+    raise TypeError(f"softcap must be a Python float; got {softcap!r}.")
+  if not softcap >= 0:
+    raise ValueError(f"softcap must be >= 0 (0 disables it); got {softcap}.")
+  d = q.shape[-1]
+  if softmax_scale is None:
+    scale = 1.0 / math.sqrt(d)
+  else:
+    if not isinstance(softmax_scale, (int, float)) or \
+        isinstance(softmax_scale, bool):
+      raise TypeError("softmax_scale must be a Python float or None; got "
+                      f"{softmax_scale!r}.")
+    if not softmax_scale > 0:
+      raise ValueError(f"softmax_scale must be > 0; got {softmax_scale}.")
+    scale = float(softmax_scale)
+  if sinks is not None:
+    _check_tensor("sinks", sinks, 1, "[heads_q]")
+    if sinks.shape[0] != q.shape[-2]:
+      raise ValueError(f"sinks must have shape [heads_q] = [{q.shape[-2]}]; "
+                       f"got {tuple(sinks.shape)}.")
+    if sinks.dtype not in _FLOAT_DTYPES:
+      raise TypeError(f"sinks has dtype {sinks.dtype}; expected a float dtype.")
+    if sinks.device != q.device:
+      raise ValueError(f"sinks is on {sinks.device}, q on {q.device}.")
+  return left, right, float(softcap), scale
+
+
+def _segments(segment_ids, b, sq, sk, device):
+  if segment_ids is None:
+    return None, None
+  if isinstance(segment_ids, (tuple, list)):
+    if len(segment_ids) != 2:
+      raise TypeError("segment_ids must be a tensor [batch, seq] or a pair "
+                      "(q_segment_ids, kv_segment_ids).")
+    qs, ks = segment_ids
+  else:
+    qs = ks = segment_ids
+  for name, s, n in (("segment_ids (queries)", qs, sq),
+                     ("segment_ids (keys)", ks, sk)):
+    _check_tensor(name, s, 2, "[batch, seq]")
+    if tuple(s.shape) != (b, n):
+      raise ValueError(f"{name} must have shape [batch, seq] = [{b}, {n}]; "
+                       f"got {tuple(s.shape)}.")
+    if s.dtype.is_floating_point or s.dtype == torch.bool:
+      raise TypeError(f"{name} must be an integer tensor; got {s.dtype}.")
+  return (qs.to(device=device, dtype=torch.int32),
+          ks.to(device=device, dtype=torch.int32))
+
+
+# ----------------------------------------------------------------------------
+# Public API
+# ----------------------------------------------------------------------------
+
+def fold_attn_func(q: Tensor, k: Tensor, v: Tensor, causal: bool = False,
+                   softmax_scale: float | None = None,
+                   window_size: tuple[int, int] = (-1, -1),
+                   sinks: Tensor | None = None, softcap: float = 0.0, *,
+                   segment_ids=None, return_lse: bool = False,
+                   backend: str = "auto"):
+  """Exact attention with a deterministic backward, FlashAttention's layout.
+
+  Args:
+    q: [batch, seq_q, heads_q, head_dim] (bf16, fp16, fp32; fp64 on the XLA
+      path, for gradcheck).
+    k, v: [batch, seq_k, heads_kv, head_dim]; heads_q % heads_kv == 0
+      (GQA/MQA natively: k/v are never repeated).
+    causal: bottom-right aligned (query i sees keys j <= i + seq_k - seq_q).
+    softmax_scale: default 1/sqrt(head_dim).
+    window_size: (left, right) sliding window, -1 = unbounded.
+    sinks: float [heads_q] logits joining each row's softmax denominator
+      (differentiable).
+    softcap: if > 0, scores become softcap * tanh(scores / softcap).
+    segment_ids: int [batch, seq] (seq_q == seq_k) or a pair (q ids
+      [batch, seq_q], kv ids [batch, seq_k]); tokens attend within equal ids.
+      Negative ids on queries that match no key id give output 0.
+    return_lse: also return the log-sum-exp, float32 [batch, heads_q, seq_q]
+      (differentiable).
+    backend: "auto" (Pallas on CUDA GPUs of compute capability 8.0+, else
+      XLA; logged once), "pallas", "interpret" (the kernel on CPU) or "xla".
+
+  Returns:
+    out [batch, seq_q, heads_q, head_dim] in q's dtype (and lse). A query
+    that sees no key gets 0.
+  """
+  _check_qkv(q, k, v, packed=False)
+  left, right, softcap, scale = _check_options(q, window_size, softcap,
+                                               softmax_scale, sinks, causal)
+  qs, ks = _segments(segment_ids, q.shape[0], q.shape[1], k.shape[1],
+                     q.device)
+  be = resolve_backend(q, backend)
+  static = (be, bool(causal), left, right, softcap, scale, 0, 0, False)
+  out, lse, _ = _call(q, k, v, sinks, qs, ks, None, None, static)
+  return (out, lse) if return_lse else out
+
+
+def _max_seqlen(cu: Tensor, given) -> int:
+  if given is not None:
+    given = int(given)
+    if given < 1:
+      raise ValueError(f"max_seqlen must be >= 1; got {given}.")
+    return given
+  # A device-to-host read: pass max_seqlen_q/k to avoid it (and under
+  # torch.compile).
+  return max(1, int((cu[1:] - cu[:-1]).max()))
+
+
+def fold_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor,
+                          cu_seqlens_q: Tensor,
+                          cu_seqlens_k: Tensor | None = None,
+                          max_seqlen_q: int | None = None,
+                          max_seqlen_k: int | None = None,
+                          causal: bool = False,
+                          softmax_scale: float | None = None,
+                          window_size: tuple[int, int] = (-1, -1),
+                          sinks: Tensor | None = None, softcap: float = 0.0,
+                          *, return_lse: bool = False, backend: str = "auto"):
+  """Packed variable-length attention (FlashAttention's varlen layout).
+
+  Args:
+    q: [total_q, heads_q, head_dim]; k, v: [total_k, heads_kv, head_dim].
+    cu_seqlens_q, cu_seqlens_k: int32 [num_seqs + 1] cumulative lengths
+      (cu_seqlens_k defaults to cu_seqlens_q). Tokens past cu_seqlens_q[-1]
+      get output 0.
+    max_seqlen_q, max_seqlen_k: longest sequence (Python ints). The Pallas
+      kernel's grid needs them; when omitted they are read from cu_seqlens
+      (one device-to-host copy). Ignored by the XLA path.
+    Other options as `fold_attn_func` (causal and windows bottom-right per
+    sequence).
+
+  Returns:
+    out [total_q, heads_q, head_dim] (and lse float32 [heads_q, total_q]).
+  """
+  _check_qkv(q, k, v, packed=True)
+  left, right, softcap, scale = _check_options(q, window_size, softcap,
+                                               softmax_scale, sinks, causal)
+  if cu_seqlens_k is None:
+    cu_seqlens_k = cu_seqlens_q
+    if max_seqlen_k is None:
+      max_seqlen_k = max_seqlen_q
+  for name, cu in (("cu_seqlens_q", cu_seqlens_q),
+                   ("cu_seqlens_k", cu_seqlens_k)):
+    _check_tensor(name, cu, 1, "[num_seqs + 1]")
+    if cu.dtype.is_floating_point or cu.dtype == torch.bool:
+      raise TypeError(f"{name} must be an integer (int32) tensor; got "
+                      f"{cu.dtype}.")
+    if cu.shape[0] < 2:
+      raise ValueError(f"{name} must have at least 2 entries; got shape "
+                       f"{tuple(cu.shape)}.")
+  if cu_seqlens_q.shape != cu_seqlens_k.shape:
+    raise ValueError("cu_seqlens_q and cu_seqlens_k must describe the same "
+                     f"number of sequences; got shapes "
+                     f"{tuple(cu_seqlens_q.shape)} and "
+                     f"{tuple(cu_seqlens_k.shape)}.")
+  cu_q = cu_seqlens_q.to(device=q.device, dtype=torch.int32)
+  cu_k = cu_seqlens_k.to(device=q.device, dtype=torch.int32)
+  be = resolve_backend(q, backend)
+  mq = mk = 0
+  if be != "xla":
+    mq = _max_seqlen(cu_q, max_seqlen_q)
+    mk = _max_seqlen(cu_k, max_seqlen_k)
+  static = (be, bool(causal), left, right, softcap, scale, mq, mk, True)
+  out, lse, _ = _call(q, k, v, sinks, None, None, cu_q, cu_k, static)
+  return (out, lse) if return_lse else out
