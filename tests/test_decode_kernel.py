@@ -405,3 +405,31 @@ def test_gpu_depth_v8_draft():
                      compute_capability=cc)
   ref = paged_draft_reference(qd, k, v, table, lengths)[0]
   assert _rel(out, ref) < 2e-2
+
+
+def test_benchmark_smoke(tmp_path):
+  """`python -m benchmarks.decode --smoke` runs on CPU and writes JSON."""
+  import json
+  import os
+  import subprocess
+  import sys
+  from pathlib import Path
+  repo = Path(__file__).resolve().parents[1]
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env["PYTHONPATH"] = str(repo) + os.pathsep + env.get("PYTHONPATH", "")
+  out = tmp_path / "decode.json"
+  r = subprocess.run([sys.executable, "-m", "benchmarks.decode", "--smoke",
+                      "--impls", "ours,jax_xla,torch_sdpa", "--output",
+                      str(out)], cwd=repo, env=env, capture_output=True,
+                     text=True, timeout=300)
+  assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+  doc = json.loads(out.read_text())
+  by = {x["impl"]: x for x in doc["records"]}
+  assert by["ours"]["error"] is None and by["ours"]["ms"] > 0
+  assert by["ours"]["bitwise_repeatable"] is True
+  assert by["jax_xla"]["rel_err_vs_ours"] < 2e-2
+  assert by["torch_sdpa"]["error"].startswith("skipped")
+  t = subprocess.run([sys.executable, "-m", "benchmarks.decode", "--table",
+                      str(out)], cwd=repo, env=env, capture_output=True,
+                     text=True, timeout=60)
+  assert t.returncode == 0 and "ours" in t.stdout
