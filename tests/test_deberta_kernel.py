@@ -220,6 +220,21 @@ def test_single_position_term_matches_reference(shape, lengths, types):
   assert not np.any(np.asarray(grads[unused]))
 
 
+@pytest.mark.slow
+def test_no_position_terms():
+  # pos_att_type=(): plain attention with HF's 1/sqrt(head_dim) scale.
+  (q, k, v, _, _), do = _inputs(17, (2, 30, 1, 16), 16)
+  mask = _ragged([30, 11], 30)
+  w = do * mask[:, :, None, None]
+  kw = dict(pos_att_type=(), **POS)
+  extra = {"attention_mask": mask}
+  out, grads = _run("interpret", q, k, v, None, None, w, extra, **kw)
+  r_out, r_grads = _run("ref", q, k, v, None, None, w, extra, **kw)
+  _assert_close(out, r_out, mask.astype(bool))
+  for name, a, r in zip(NAMES[:3], grads[:3], r_grads[:3]):
+    _assert_close(a, r, what=name)
+
+
 def test_no_log_buckets_geometry():
   # position_buckets <= 0: relative positions are only clamped (span 12).
   (q, k, v, pk, pq), do = _inputs(7, (1, 40, 1, 16), 24)
@@ -378,7 +393,8 @@ def fake_h200(monkeypatch):
 def test_triton_lowering(fake_h200, dtype, head_dim, types, masked, rate):
   from pallas_kernels.deberta.backward import disentangled_backward
   from pallas_kernels.deberta.config import KernelConfig, blocks_for
-  from pallas_kernels.deberta.forward import disentangled_forward
+  from pallas_kernels.deberta.forward import (disentangled_forward,
+                                              position_table)
   g = geometry(256, 512)
   cfg = KernelConfig(g, "c2p" in types, "p2c" in types, masked, rate,
                      head_dim)
@@ -397,6 +413,10 @@ def test_triton_lowering(fake_h200, dtype, head_dim, types, masked, rate):
   lowered = jax.jit(fwd).trace(tok, tok, tok, tab, tab, cu, tm, seed).lower(
       lowering_platforms=("cuda",))
   assert "fold_deberta_forward" in lowered.as_text()
+  table = functools.partial(position_table, blocks=blocks.table,
+                            interpret=False)
+  lowered = jax.jit(table).trace(tok, pos).lower(lowering_platforms=("cuda",))
+  assert "fold_deberta_position_table" in lowered.as_text()
   bwd = functools.partial(disentangled_backward, cfg=cfg, blocks=blocks,
                           max_seqlen=512, interpret=False)
   lowered = jax.jit(bwd).trace(

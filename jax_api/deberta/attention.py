@@ -22,23 +22,24 @@ from pallas_kernels.deberta._geometry import geometry
 from pallas_kernels.deberta.backward import disentangled_backward
 from pallas_kernels.deberta.config import (DebertaBlocks, KernelConfig,
                                            blocks_for)
-from pallas_kernels.deberta.forward import disentangled_forward
+from pallas_kernels.deberta.forward import (disentangled_forward,
+                                            position_table)
 from jax_api.deberta._xla import xla_disentangled
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def position_tables(q, k, pos_key, pos_query, cfg: KernelConfig):
+def position_tables(q, k, pos_key, pos_query, cfg: KernelConfig,
+                    blocks: DebertaBlocks, interpret: bool):
   """c2p = Q Kpos^T and p2c = K Qpos^T, [total, heads, 2*span] in q's dtype
-  (float32 accumulation; what HF computes with two bmm)."""
-  prec = _HIGHEST if jnp.dtype(q.dtype) == jnp.float32 else None
+  (float32 accumulation; what HF computes with two bmm), by a fixed-tile
+  Pallas GEMM so that each token's row is batch-independent."""
   c = p = None
   if cfg.c2p:
-    c = jnp.einsum("thd,rhd->thr", q, pos_key, precision=prec,
-                   preferred_element_type=jnp.float32).astype(q.dtype)
+    c = position_table(q, pos_key, blocks=blocks.table, interpret=interpret)
   if cfg.p2c:
-    p = jnp.einsum("thd,rhd->thr", k, pos_query, precision=prec,
-                   preferred_element_type=jnp.float32).astype(q.dtype)
+    p = position_table(k, pos_query, blocks=blocks.table,
+                       interpret=interpret)
   return c, p
 
 
@@ -46,7 +47,8 @@ def position_tables(q, k, pos_key, pos_query, cfg: KernelConfig):
 def _kernel_attention(q, k, v, pos_key, pos_query, cu, token_mask, seed,
                       cfg: KernelConfig, blocks: DebertaBlocks,
                       max_seqlen: int, interpret: bool):
-  c, p = position_tables(q, k, pos_key, pos_query, cfg)
+  c, p = position_tables(q, k, pos_key, pos_query, cfg, blocks,
+                         interpret)
   out, _ = disentangled_forward(q, k, v, c, p, cu, token_mask, seed, cfg=cfg,
                                 blocks=blocks.fwd, max_seqlen=max_seqlen,
                                 interpret=interpret)
@@ -55,7 +57,8 @@ def _kernel_attention(q, k, v, pos_key, pos_query, cu, token_mask, seed,
 
 def _fwd(q, k, v, pos_key, pos_query, cu, token_mask, seed, cfg, blocks,
          max_seqlen, interpret):
-  c, p = position_tables(q, k, pos_key, pos_query, cfg)
+  c, p = position_tables(q, k, pos_key, pos_query, cfg, blocks,
+                         interpret)
   out, lse2 = disentangled_forward(q, k, v, c, p, cu, token_mask, seed,
                                    cfg=cfg, blocks=blocks.fwd,
                                    max_seqlen=max_seqlen, interpret=interpret)
@@ -66,7 +69,8 @@ def _fwd(q, k, v, pos_key, pos_query, cu, token_mask, seed, cfg, blocks,
 
 def _bwd(cfg, blocks, max_seqlen, interpret, res, do):
   q, k, v, pos_key, pos_query, cu, token_mask, seed, out, lse2 = res
-  c, p = position_tables(q, k, pos_key, pos_query, cfg)
+  c, p = position_tables(q, k, pos_key, pos_query, cfg, blocks,
+                         interpret)
   dq, dk, dv, dpk, dpq = disentangled_backward(
       q, k, v, pos_key, pos_query, c, p, out, lse2, do.astype(q.dtype), cu,
       token_mask, seed, cfg=cfg, blocks=blocks, max_seqlen=max_seqlen,

@@ -13,23 +13,29 @@ dC and dP are scatter-adds over buckets. They are made deterministic by the
 band layout of `_geometry`: each pair (i, j) has a band column w(i - j), and
 the non-saturated columns hold exactly one pair per row. So
 
-* `_dq_kernel` (owns a query tile, walks key tiles in a fixed order) stores
-  G_ij to BandC[i, w(i - j)] (plain stores, no two pairs share an address)
-  and sums the saturated pairs (w = 0 or width - 1; most pairs at long
-  lengths) per row in registers, storing them once at the end;
-* `_dkdv_kernel` (owns a key tile) does the same for BandP[j, w(i - j)];
+* `_dq_kernel` (owns a query tile, walks key tiles in a fixed order) runs
+  first: it computes D_i = dO_i . O_i for its rows (in-kernel, so the bits
+  never depend on an XLA reduction's shape-dependent order), dq_i without
+  the band term, stores G_ij to BandC[i, w(i - j)] (plain stores: no two
+  pairs share an address) and sums the saturated pairs (w = 0 or
+  width - 1; most pairs at long lengths) per row in registers, storing
+  them once at the end;
+* `_dkdv_kernel` (owns a key tile, reads D) does the same for dk, dv and
+  BandP[j, w(i - j)];
 * `_band_kernel` contracts each token's band row with the band-expanded
-  position table, Kpos[slot[w]] (and Qpos[slot[w]]), in fixed column chunks:
-  dq_i += sum_w BandC[i, w] Kpos[slot[w]];
+  position table Kpos[slot[w]] (Qpos[slot[w]]) in fixed column chunks:
+  dq_i += sum_w BandC[i, w] Kpos[slot[w]] (dk_j likewise);
 * XLA finishes dKpos = onehot(slot)^T (BandC^T Q) and dQpos likewise (plain
   matmuls, no scatter).
 
 No atomics anywhere; every sum has a fixed order, and the per-token sums
 (dq, dk, dv) depend only on the token's own sequence (tiles start at each
-sequence's start; the band layout depends only on the position config).
-The band scratch is [total + 0, heads, width] (width = r_neg + r_pos + 1,
-1019 for DeBERTa-v3's 256 buckets / 512 positions) in bfloat16 for bf16
-inputs and float32 otherwise.
+sequence's start; the band layout depends only on the position config; the
+masked and unmasked tile variants run the same float operations). The band
+scratch is [total, heads, width] (width = r_neg + r_pos + 1 = 1019 for
+DeBERTa-v3's 256 buckets / 512 positions), bfloat16 for bf16 inputs and
+float32 otherwise, zero-initialised (entries of pairs outside the sequence
+are never visited).
 """
 
 from __future__ import annotations

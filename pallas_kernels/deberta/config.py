@@ -4,7 +4,7 @@ Block sizes, like the dense kernel's, depend only on the GPU generation, head
 dim, dtype and kernel, never on batch size or sequence length: a sequence's
 bits do not depend on what else is in the batch. FOLDAX_DEBERTA_BLOCKS may
 name a JSON file {"<kernel>/<head_dim>/<itemsize>": {"block_q": .., ...}}
-overriding entries (kernel: fwd, bwd_kv, bwd_q, band) for tuning on a GPU.
+overriding entries (kernel: fwd, bwd_kv, bwd_q, band, table) for tuning on a GPU.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import numpy as np
 from pallas_kernels.deberta._geometry import Geometry
 from pallas_kernels.flash.config import BlockSizes
 
-KERNELS = ("fwd", "bwd_kv", "bwd_q", "band")
+KERNELS = ("fwd", "bwd_kv", "bwd_q", "band", "table")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,11 +69,12 @@ class DebertaBlocks:
   bwd_kv: BlockSizes  # dK, dV and the p2c band (owns key tiles)
   bwd_q: BlockSizes  # dQ and the c2p band (owns query tiles)
   band: BlockSizes  # block_q: token rows; block_k: band columns per step
+  table: BlockSizes  # position-table GEMM: block_q rows, block_k columns
 
 
 # Hopper (sm_90) starting points; the lead's H200 sweep refines them.
 _H100 = {
-    ("fwd", 2): BlockSizes(128, 64, 4, 2),
+    ("fwd", 2): BlockSizes(128, 64, 8, 2),
     ("fwd", 4): BlockSizes(64, 32, 4, 1),
     ("bwd_kv", 2): BlockSizes(64, 64, 4, 1),
     ("bwd_kv", 4): BlockSizes(32, 32, 4, 1),
@@ -81,8 +82,11 @@ _H100 = {
     ("bwd_q", 4): BlockSizes(32, 32, 4, 1),
     ("band", 2): BlockSizes(64, 64, 4, 2),
     ("band", 4): BlockSizes(64, 32, 4, 2),
+    ("table", 2): BlockSizes(128, 128, 8, 1),
+    ("table", 4): BlockSizes(64, 64, 4, 1),
 }
-INTERPRET_BLOCKS = DebertaBlocks(*(BlockSizes(16, 16, 4, 1),) * 4)
+INTERPRET_BLOCKS = DebertaBlocks(*(BlockSizes(16, 16, 4, 1),) * 4,
+                                 BlockSizes(16, 32, 4, 1))
 
 
 def _override() -> dict:
@@ -102,7 +106,7 @@ def blocks_for(*, head_dim: int, dtype, interpret: bool,
   picks = []
   for kern in KERNELS:
     b = _H100[(kern, itemsize)]
-    if head_dim > 64 and kern != "band":  # registers: halve the key side
+    if head_dim > 64 and kern not in ("band", "table"):  # registers: halve the key side
       b = BlockSizes(b.block_q, max(16, b.block_k // 2), max(b.num_warps, 8)
                      if itemsize == 2 else b.num_warps, b.num_stages)
     if compute_capability is not None and compute_capability[0] < 9:

@@ -193,3 +193,49 @@ def disentangled_forward(q, k, v, c2p_table, p2c_table, cu_seqlens,
       name="fold_deberta_forward",
   )(*args)
   return out, lse2
+
+
+def _table_kernel(x_ref, pos_ref, o_ref, *, block_rows: int, block_cols: int,
+                  head_dim: int):
+  blk = pl.program_id(0)
+  total, d_pad = x_ref.shape
+  n_cols = pos_ref.shape[0]
+  head_mask = cm.head_dim_mask(head_dim, d_pad)
+  r0 = blk * block_rows
+  rows = pl.ds(r0, block_rows)
+  r_valid = (r0 + jnp.arange(block_rows)) < total
+  x = cm.load(x_ref.at[rows, :], mask=mask_and(r_valid[:, None], head_mask),
+              other=0.0)
+  precision = dot_precision(x_ref.dtype)
+  for c0 in range(0, n_cols, block_cols):  # static: 2*span columns
+    c_valid = (c0 + jnp.arange(block_cols)) < n_cols
+    p = cm.load(pos_ref.at[pl.ds(c0, block_cols), :],
+                mask=mask_and(c_valid[:, None], head_mask), other=0.0)
+    t = plgpu.dot(x, p, trans_b=True, precision=precision)
+    plgpu.store(o_ref.at[rows, pl.ds(c0, block_cols)], t.astype(o_ref.dtype),
+                mask=r_valid[:, None] & c_valid[None, :])
+
+
+@functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
+def position_table(x, pos, *, blocks: BlockSizes, interpret: bool = False):
+  """x [total, heads, d] . pos [rows, heads, d]^T -> [total, heads, rows] in
+  x's dtype (float32 accumulation): the c2p (x = q, pos = Kpos) or p2c
+  (x = k, pos = Qpos) table. A Pallas GEMM with fixed tiles, so each token's
+  row has the same bits whatever the batch (an XLA GEMM may pick its
+  algorithm by shape)."""
+  total, heads, head_dim = x.shape
+  n_cols = pos.shape[0]
+  d_pad = head_dim_pad(head_dim)
+  return pl.pallas_call(
+      functools.partial(_table_kernel, block_rows=blocks.block_q,
+                        block_cols=blocks.block_k, head_dim=head_dim),
+      grid=(pl.cdiv(total, blocks.block_q), heads),
+      in_specs=[pl.BlockSpec((total, None, d_pad), lambda i, h: (0, h, 0)),
+                pl.BlockSpec((n_cols, None, d_pad), lambda i, h: (0, h, 0))],
+      out_specs=pl.BlockSpec((total, None, n_cols), lambda i, h: (0, h, 0)),
+      out_shape=jax.ShapeDtypeStruct((total, heads, n_cols), x.dtype),
+      compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps,
+                                           num_stages=blocks.num_stages),
+      interpret=interpret,
+      name="fold_deberta_position_table",
+  )(x, pos)
