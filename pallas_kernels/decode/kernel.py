@@ -451,7 +451,9 @@ def _combine_kernel(*refs, spec: DecodeSpec, n_in: int, n_chunks: int,
 
       acc2, l2, _ = prog.zeros()
       acc2, l2 = lax.fori_loop(prog.c_lo, c_end, again, (acc2, l2))
-      return acc2, l2, ref2
+      # Rows that passed keep the split kernel's sums (their exact bits).
+      return (jnp.where(flag[:, None], acc2, acc), jnp.where(flag, l2, l),
+              ref2)
 
     acc, l, ref = lax.cond(_any(flag), recompute, lambda _: (acc, l, ref),
                            None)
