@@ -191,8 +191,12 @@ def disentangled_attention(
                        f"{list(lead)}; got {tuple(attention_mask.shape)}.")
   seed = (_dropout.seed_from_rng(dropout_rng) if rate > 0 else None)
   be = resolve_backend(backend, kernel="disentangled_attention")
-  split = be != "interpret" or os.environ.get(
-      "FOLDAX_DEBERTA_SPLIT_TILES") == "1"
+  # Full tiles without load masks: on for GPUs, off in interpret mode (half
+  # the traced loop bodies); FOLDAX_DEBERTA_SPLIT_TILES=1/0 forces it. The
+  # bits do not depend on it (same float operations either way).
+  split_env = os.environ.get("FOLDAX_DEBERTA_SPLIT_TILES", "")
+  split = (split_env == "1") if split_env in ("0", "1") else (
+      be != "interpret")
   cfg = KernelConfig(geo, c2p, p2c, attention_mask is not None and not packed,
                      rate, d, split)
 

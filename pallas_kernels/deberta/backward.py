@@ -305,9 +305,14 @@ def _dkdv_kernel(cu_ref, slot_ref, *refs, cfg: KernelConfig, block_q: int,
                   sat_hi.astype(band_ref.dtype), mask=k_valid)
 
 
-def _band_kernel(band_ref, tab_ref, out_ref, *, block_rows: int,
-                 block_cols: int, head_dim: int, precision):
-  """out[t] = sum_w band[t, w] * tab[w] in fixed column chunks."""
+def _band_kernel(band_ref, tab_ref, pos_ref, len_ref, out_ref, *, geo,
+                 key_rows: bool, block_rows: int, block_cols: int,
+                 head_dim: int, precision):
+  """out[t] = sum_w band[t, w] * tab[w]: the two saturated columns first
+  (rank-1 updates), then the non-saturated columns in fixed chunks, only
+  over the chunks where some row of the block can be nonzero (row t's band
+  is zero outside the offsets of its own sequence; skipped chunks would add
+  exact zeros, so the bits do not depend on the other rows of the block)."""
   blk = pl.program_id(0)
   total, width = band_ref.shape
   d_pad = tab_ref.shape[-1]
@@ -315,43 +320,74 @@ def _band_kernel(band_ref, tab_ref, out_ref, *, block_rows: int,
   r0 = blk * block_rows
   rows = pl.ds(r0, block_rows)
   r_valid = (r0 + jnp.arange(block_rows)) < total
+  pos = cm.load(pos_ref.at[rows], mask=r_valid, other=0)
+  n = cm.load(len_ref.at[rows], mask=r_valid, other=0)
+  live = n > 0
+  col = lambda delta: jnp.clip(delta, -geo.r_neg, geo.r_pos) + geo.r_neg
+  # Row t holds pairs with the other tokens u of its sequence, at offsets
+  # i - j = t - u (query rows, c2p) or u - t (key rows, p2c).
+  if key_rows:
+    d_lo, d_hi = -pos, n - 1 - pos
+  else:
+    d_lo, d_hi = pos - n + 1, pos
+  lo = jnp.min(jnp.where(live, col(d_lo), width))
+  hi = jnp.max(jnp.where(live, col(d_hi), -1))
+  lo = jnp.maximum(lo, 1)  # saturated columns are handled first
+  hi = jnp.minimum(hi, width - 2)
+
+  acc = jnp.zeros((block_rows, d_pad), jnp.float32)
+  for c in (0, width - 1):
+    x = cm.load(band_ref.at[rows, jnp.int32(c)], mask=r_valid,
+                other=0.0).astype(jnp.float32)
+    t = cm.load(tab_ref.at[jnp.int32(c), :],
+                mask=None if head_mask is None else head_mask[0],
+                other=0.0).astype(jnp.float32)
+    acc = acc + x[:, None] * t[None, :]
 
   def step(c, acc):
     c0 = c * block_cols
-    c_valid = (c0 + jnp.arange(block_cols)) < width
+    cols = c0 + jnp.arange(block_cols)
+    c_valid = (cols > 0) & (cols < width - 1)
     x = cm.load(band_ref.at[rows, pl.ds(c0, block_cols)],
-                   mask=r_valid[:, None] & c_valid[None, :], other=0.0)
+                mask=r_valid[:, None] & c_valid[None, :], other=0.0)
     t = cm.load(tab_ref.at[pl.ds(c0, block_cols), :],
-                   mask=mask_and(c_valid[:, None], head_mask), other=0.0)
+                mask=mask_and(c_valid[:, None], head_mask), other=0.0)
     return acc + plgpu.dot(x, t, precision=precision)
 
-  acc = lax.fori_loop(0, pl.cdiv(width, block_cols), step,
-                      jnp.zeros((block_rows, d_pad), jnp.float32))
+  first = lax.div(jnp.maximum(lo, 0), block_cols)
+  last = jnp.where(hi >= lo, lax.div(jnp.maximum(hi, 0), block_cols) + 1,
+                   first)
+  acc = lax.fori_loop(0, last - first, lambda i, a: step(first + i, a), acc)
   plgpu.store(out_ref.at[rows, :], acc,
               mask=mask_and(r_valid[:, None], head_mask))
 
 
-def band_product(band, table, *, blocks, head_dim: int, precision,
-                 interpret: bool):
+def band_product(band, table, tok_pos, tok_len, *, geo, key_rows: bool,
+                 blocks, head_dim: int, precision, interpret: bool):
   """float32 [total, heads, d]: band [total, heads, width] x table
-  [width, heads, d] per head, each row summed in fixed column order."""
+  [width, heads, d] per head. tok_pos, tok_len: int32 [total], each token's
+  position in its sequence and the sequence's length (0 outside); key_rows:
+  the band rows are keys (p2c) rather than queries (c2p)."""
   total, heads, width = band.shape
   d_pad = head_dim_pad(head_dim)
   b = blocks.band
+  vec = pl.BlockSpec((total,), lambda i, h: (0,))
   return pl.pallas_call(
-      functools.partial(_band_kernel, block_rows=b.block_q,
+      functools.partial(_band_kernel, geo=geo, key_rows=key_rows,
+                        block_rows=b.block_q,
                         block_cols=b.block_k, head_dim=head_dim,
                         precision=precision),
       grid=(pl.cdiv(total, b.block_q), heads),
       in_specs=[pl.BlockSpec((total, None, width), lambda i, h: (0, h, 0)),
-                pl.BlockSpec((width, None, d_pad), lambda i, h: (0, h, 0))],
+                pl.BlockSpec((width, None, d_pad), lambda i, h: (0, h, 0)),
+                vec, vec],
       out_specs=pl.BlockSpec((total, None, d_pad), lambda i, h: (0, h, 0)),
       out_shape=jax.ShapeDtypeStruct((total, heads, head_dim), jnp.float32),
       compiler_params=plgpu.CompilerParams(num_warps=b.num_warps,
                                            num_stages=b.num_stages),
       interpret=interpret,
       name="fold_deberta_band_product",
-  )(band, table)
+  )(band, table, tok_pos, tok_len)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "blocks", "max_seqlen",
@@ -441,6 +477,11 @@ def disentangled_backward(q, k, v, pos_key, pos_query, c2p_table, p2c_table,
   dk, dv = outs[0], outs[1]
   band_p = outs[2] if cfg.p2c else None
 
+  t_idx = jnp.arange(total, dtype=jnp.int32)
+  sid = jnp.clip(jnp.searchsorted(cu_seqlens, t_idx, side="right") - 1, 0,
+                 num_seqs - 1).astype(jnp.int32)
+  tok_pos = t_idx - cu_seqlens[sid]
+  tok_len = jnp.where(in_seq, cu_seqlens[sid + 1] - cu_seqlens[sid], 0)
   precise = jnp.dtype(q.dtype) == jnp.float32
   band_precision = _HIGHEST if precise else None
   onehot = (slot[:, None] == jnp.arange(g.slots, dtype=jnp.int32)[None, :]
@@ -448,14 +489,16 @@ def disentangled_backward(q, k, v, pos_key, pos_query, c2p_table, p2c_table,
   dpos_key = dpos_query = None
   if cfg.c2p:
     kband = pos_key[slot].astype(bdt)  # [width, heads, d]
-    dq = dq + band_product(band_c, kband, blocks=blocks, head_dim=head_dim,
+    dq = dq + band_product(band_c, kband, tok_pos, tok_len, geo=g,
+                           key_rows=False, blocks=blocks, head_dim=head_dim,
                            precision=band_precision, interpret=interpret)
     x = jnp.einsum("thw,thd->whd", band_c, q.astype(bdt),
                    preferred_element_type=f32, precision=_HIGHEST)
     dpos_key = jnp.einsum("wr,whd->rhd", onehot, x, precision=_HIGHEST)
   if cfg.p2c:
     qband = pos_query[slot].astype(bdt)
-    dk = dk + band_product(band_p, qband, blocks=blocks, head_dim=head_dim,
+    dk = dk + band_product(band_p, qband, tok_pos, tok_len, geo=g,
+                           key_rows=True, blocks=blocks, head_dim=head_dim,
                            precision=band_precision, interpret=interpret)
     x = jnp.einsum("thw,thd->whd", band_p, k.astype(bdt),
                    preferred_element_type=f32, precision=_HIGHEST)
