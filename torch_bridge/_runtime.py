@@ -211,9 +211,15 @@ _low_level = os.environ.get("FOLDAX_TORCH_DLPACK", "fast") != "protocol"
 _cuda_sync: dict = {}  # device index -> (event, {jax stream ptr: ExternalStream})
 
 
+_JAX = None
+
+
 def _jax_internal():
-  from jax._src.lib import _jax
-  return _jax
+  global _JAX
+  if _JAX is None:
+    from jax._src.lib import _jax
+    _JAX = _jax
+  return _JAX
 
 
 def _order_jax_after_torch(target: Target):
@@ -235,6 +241,16 @@ def _order_jax_after_torch(target: Target):
   event.record(torch.cuda.current_stream(idx))
   ext.wait_event(event)
   return stream
+
+
+def _to_dlpack(t):
+  return t.__dlpack__() if _TO_DLPACK is None else _TO_DLPACK(t)
+
+
+try:  # the C entry point, without Tensor.__dlpack__'s Python checks
+  from torch._C import _to_dlpack as _TO_DLPACK
+except ImportError:  # pragma: no cover
+  _TO_DLPACK = None
 
 
 class Importer:
@@ -265,9 +281,8 @@ class Importer:
       t = t.cpu()
     if _low_level:
       try:
-        import torch.utils.dlpack as tud
         return _jax_internal().dlpack_managed_tensor_to_buffer(
-            tud.to_dlpack(t), self.target.jax_device, self.stream, None,
+            _to_dlpack(t), self.target.jax_device, self.stream, None,
             self.target.dl_type)
       except Exception as e:
         if self.target.cuda:  # pragma: no cover - GPU only

@@ -95,27 +95,37 @@ def _plan(static, device, dtype) -> _Plan:
   return p
 
 
-def _fwd_impl(q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, static):
+def _fwd_impl(q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, static,
+              keep: bool = False, aux_tensor: bool = True):
+  """Runs the jitted forward. keep=True also returns the JAX arrays of the
+  inputs and outputs (the eager backward reuses them instead of importing
+  them again); aux_tensor=False leaves the XLA path's aux as None."""
   p = _plan(static, q.device, q.dtype)
   with _X64(p.x64):
     imp = rt.Importer(p.target)
-    out, lse, aux = p.fwd(imp(q), imp(k), imp(v), imp(sinks), imp(q_seg),
-                          imp(k_seg), imp(cu_q), imp(cu_k))
-    out, lse, aux = rt.export((out, lse, aux), p.target)
-  if aux is None:
+    ins = (imp(q), imp(k), imp(v), imp(sinks), imp(q_seg), imp(k_seg),
+           imp(cu_q), imp(cu_k))
+    res = p.fwd(*ins)
+    out, lse, aux = rt.export(res, p.target)
+  if aux is None and aux_tensor:
     aux = q.new_empty((0,), dtype=torch.float32)
+  if keep:
+    return (out, lse, aux), (ins, res)
   return out, lse, aux
 
 
 def _bwd_impl(dout, dlse, q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, out, lse,
-              aux, static):
+              aux, static, kept=None):
   p = _plan(static, q.device, q.dtype)
   with _X64(p.x64):
     imp = rt.Importer(p.target)
-    grads = p.bwd(imp(q), imp(k), imp(v), imp(sinks), imp(q_seg), imp(k_seg),
-                  imp(cu_q), imp(cu_k), imp(out), imp(lse),
-                  None if p.backend == "xla" else imp(aux), imp(dout),
-                  imp(dlse))
+    if kept is None:
+      ins = (imp(q), imp(k), imp(v), imp(sinks), imp(q_seg), imp(k_seg),
+             imp(cu_q), imp(cu_k))
+      res = (imp(out), imp(lse), None if p.backend == "xla" else imp(aux))
+    else:
+      ins, res = kept
+    grads = p.bwd(*ins, *res, imp(dout), imp(dlse))
     dq, dk, dv, ds = rt.export(grads, p.target)
   if ds is None:
     ds = q.new_empty((0,), dtype=torch.float32)
@@ -132,7 +142,8 @@ def attn_fwd(q: Tensor, k: Tensor, v: Tensor, sinks: Optional[Tensor],
   """out, lse (float32), aux (the Pallas kernel's base-2 LSE, or empty)."""
   static = (backend, causal, left, right, softcap, scale, max_seqlen_q,
             max_seqlen_k, cu_q is not None)
-  return _fwd_impl(q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, static)
+  return _fwd_impl(q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, static,
+                   aux_tensor=False)
 
 
 @attn_fwd.register_fake
@@ -208,12 +219,17 @@ class _EagerAttn(torch.autograd.Function):
 
   @staticmethod
   def forward(ctx, q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, static):
-    out, lse, aux = _fwd_impl(q, k, v, sinks, q_seg, k_seg, cu_q, cu_k,
-                              static)
+    (out, lse, aux), kept = _fwd_impl(q, k, v, sinks, q_seg, k_seg, cu_q,
+                                      cu_k, static, keep=True,
+                                      aux_tensor=False)
+    # The torch tensors are saved for autograd's in-place (version) checks;
+    # the JAX arrays of the same buffers spare the backward their import.
     ctx.save_for_backward(q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, out, lse,
                           aux)
+    ctx.kept = kept
     ctx.static = static
-    ctx.mark_non_differentiable(aux)
+    if aux is not None:
+      ctx.mark_non_differentiable(aux)
     ctx.set_materialize_grads(False)
     return out, lse, aux
 
@@ -227,7 +243,9 @@ class _EagerAttn(torch.autograd.Function):
     if dout is None:
       dout = torch.zeros_like(out)
     dq, dk, dv, ds = _bwd_impl(dout, dlse, q, k, v, sinks, q_seg, k_seg,
-                               cu_q, cu_k, out, lse, aux, ctx.static)
+                               cu_q, cu_k, out, lse, aux, ctx.static,
+                               kept=ctx.kept)
+    ctx.kept = None
     return ((dq if need[0] else None), (dk if need[1] else None),
             (dv if need[2] else None),
             (ds if sinks is not None and need[3] else None),
@@ -244,7 +262,8 @@ def _call(q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, static):
       q.requires_grad or k.requires_grad or v.requires_grad or
       (sinks is not None and sinks.requires_grad)):
     return _EagerAttn.apply(q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, static)
-  return _fwd_impl(q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, static)
+  return _fwd_impl(q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, static,
+                   aux_tensor=False)
 
 
 # ----------------------------------------------------------------------------

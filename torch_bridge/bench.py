@@ -1,0 +1,133 @@
+"""Per-call overhead of the bridge: bridge time minus the JAX call alone.
+
+    python -m torch_bridge.bench                # B1 H16 S128 D128 and S4096
+    python -m torch_bridge.bench --seq 128 --iters 500 --dtype bfloat16
+
+"JAX alone" calls the very jitted function the bridge calls, on JAX arrays
+that already live on the device (what a JAX user pays); "bridge" calls
+`torch_bridge.fold_attn_func` on torch tensors (validation, backend choice,
+DLPack import with the stream hand-off, the same JAX call, DLPack export).
+Forward only, and forward+backward (autograd), causal. On the GPU both are
+timed as the median of `iters` wall-clock calls each followed by a device
+synchronisation, so that the numbers include launch and hand-off latency;
+the overhead is the difference of the medians. Components (import, export,
+stream hand-off) are timed alone as well.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+import torch_bridge as tb
+from torch_bridge import _runtime as rt
+from torch_bridge import attention as A
+
+
+def _sync(device):
+  if device.type == "cuda":
+    torch.cuda.synchronize(device)
+
+
+def _median_us(fn, iters, device, warmup=10):
+  for _ in range(warmup):
+    fn()
+  _sync(device)
+  ts = []
+  for _ in range(iters):
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    ts.append(time.perf_counter() - t0)
+  return statistics.median(ts) * 1e6
+
+
+def overhead(batch=1, heads=16, seq=128, head_dim=128, dtype=None,
+             device=None, iters=200, causal=True) -> dict:
+  import jax
+  if device is None:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+  device = torch.device(device)
+  if dtype is None:
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+  g = torch.Generator(device=device).manual_seed(0)
+  shape = (batch, seq, heads, head_dim)
+  q, k, v = (torch.randn(shape, device=device, dtype=dtype, generator=g)
+             for _ in range(3))
+  do = torch.randn(shape, device=device, dtype=dtype, generator=g)
+  be = A.resolve_backend(q)
+  scale = head_dim ** -0.5
+  static = (be, causal, -1, 0 if causal else -1, 0.0, scale, 0, 0, False)
+  plan = A._plan(static, q.device, q.dtype)
+  target = plan.target
+  imp = rt.Importer(target)
+  qj, kj, vj, doj = (imp(x) for x in (q, k, v, do))
+  qj, kj, vj, doj = (jax.device_put(x, target.jax_device) + 0
+                     for x in (qj, kj, vj, doj))  # JAX-owned copies
+  _sync(device)
+
+  def jax_fwd():
+    return jax.block_until_ready(plan.fwd(qj, kj, vj, None, None, None, None,
+                                          None))
+
+  out_j, lse_j, aux_j = jax_fwd()
+
+  def jax_fwd_bwd():
+    o, l, a = plan.fwd(qj, kj, vj, None, None, None, None, None)
+    return jax.block_until_ready(plan.bwd(qj, kj, vj, None, None, None, None,
+                                          None, o, l, a, doj, None))
+
+  def bridge_fwd():
+    return tb.fold_attn_func(q, k, v, causal=causal)
+
+  qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+
+  def bridge_fwd_bwd():
+    out = tb.fold_attn_func(qg, kg, vg, causal=causal)
+    return torch.autograd.grad(out, (qg, kg, vg), do)
+
+  def import_only():
+    i = rt.Importer(target)
+    return i(q), i(k), i(v)
+
+  def export_only():
+    return rt.export((out_j, lse_j), target)
+
+  r = {"device": str(device), "backend": be, "dtype": str(dtype),
+       "shape": list(shape), "iters": iters}
+  r["jax_fwd_us"] = _median_us(jax_fwd, iters, device)
+  r["bridge_fwd_us"] = _median_us(bridge_fwd, iters, device)
+  r["jax_fwd_bwd_us"] = _median_us(jax_fwd_bwd, iters, device)
+  r["bridge_fwd_bwd_us"] = _median_us(bridge_fwd_bwd, iters, device)
+  r["import3_us"] = _median_us(import_only, iters, device)
+  r["export2_us"] = _median_us(export_only, iters, device)
+  r["overhead_us"] = r["bridge_fwd_us"] - r["jax_fwd_us"]
+  r["overhead_fwd_bwd_us"] = r["bridge_fwd_bwd_us"] - r["jax_fwd_bwd_us"]
+  r["ratio_fwd"] = r["bridge_fwd_us"] / r["jax_fwd_us"]
+  r["ratio_fwd_bwd"] = r["bridge_fwd_bwd_us"] / r["jax_fwd_bwd_us"]
+  return r
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--seq", type=int, nargs="*", default=[128, 4096])
+  p.add_argument("--batch", type=int, default=1)
+  p.add_argument("--heads", type=int, default=16)
+  p.add_argument("--head-dim", type=int, default=128)
+  p.add_argument("--dtype", default=None)
+  p.add_argument("--iters", type=int, default=200)
+  p.add_argument("--device", default=None)
+  a = p.parse_args(argv)
+  dtype = getattr(torch, a.dtype) if a.dtype else None
+  for s in a.seq:
+    r = overhead(a.batch, a.heads, s, a.head_dim, dtype, a.device, a.iters)
+    print(json.dumps({k: (round(v, 1) if isinstance(v, float) else v)
+                      for k, v in r.items()}))
+
+
+if __name__ == "__main__":
+  main()
