@@ -142,8 +142,7 @@ def attn_fwd(q: Tensor, k: Tensor, v: Tensor, sinks: Optional[Tensor],
   """out, lse (float32), aux (the Pallas kernel's base-2 LSE, or empty)."""
   static = (backend, causal, left, right, softcap, scale, max_seqlen_q,
             max_seqlen_k, cu_q is not None)
-  return _fwd_impl(q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, static,
-                   aux_tensor=False)
+  return _fwd_impl(q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, static)
 
 
 @attn_fwd.register_fake
