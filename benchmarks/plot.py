@@ -64,10 +64,16 @@ IMPL_NAMES = {
     "bridge": "foldax via torch_bridge",
     "jax_direct": "foldax called from JAX",
     "torch_sdpa": "torch SDPA",
+    # decode suite (benchmarks.decode)
+    "ours_v8": "foldax, values as 2×E4M3 (v8)",
+    "ours_depth16": "foldax, depth=16 (approximate cut)",
+    "pallas_gqa": "JAX Pallas decode_attention.gqa",
+    "pallas_paged": "JAX Pallas paged_attention",
 }
 IMPL_VERSION_PKG = {"tokamax": "tokamax", "tokamax_triton": "tokamax",
                     "fastflash": "fastflash-attention"}
-IMPL_ORDER = ("ours", "jax_cudnn", "jax_cudnn_det", "torch_cudnn",
+IMPL_ORDER = ("ours", "ours_v8", "ours_depth16", "pallas_gqa", "pallas_paged",
+              "jax_cudnn", "jax_cudnn_det", "torch_cudnn",
               "torch_flash", "torch_flash_det", "tokamax", "tokamax_triton",
               "fastflash", "pallas_mha", "pallas_mha_tuned", "jax_xla",
               "ours_xla", "hf_torch", "bridge", "jax_direct", "torch_sdpa")
@@ -89,10 +95,10 @@ PALETTE = ("#1f77b4", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
            "#bcbd22", "#17becf", "#ff7f0e", "#393b79", "#637939", "#8c6d31",
            "#843c39", "#7b4173")
 # Bandwidth keys a decode record may carry (TB/s, or GB/s scaled below).
-BW_KEYS_TBS = ("tbps", "tb_s", "tb_per_s", "bandwidth_tbs", "bw_tbs",
+BW_KEYS_TBS = ("eff_tbs", "tbps", "tb_s", "tb_per_s", "bandwidth_tbs", "bw_tbs",
                "hbm_tbs", "TB/s")
 BW_KEYS_GBS = ("gbps", "gb_s", "gb_per_s", "bandwidth_gbs", "bw_gbs")
-CTX_KEYS = ("context", "context_len", "ctx", "kv_len", "seq_k", "Sk",
+CTX_KEYS = ("T", "context", "context_len", "ctx", "kv_len", "seq_k", "Sk",
             "cache_len", "length", "S")
 HBM_PEAK_TBS = {"H200": 4.8, "H100": 3.35, "A100": 2.0}
 
@@ -459,8 +465,7 @@ def seqlen_figure(records: list[dict], md: dict, path: Path, *,
       ax_l.set_ylabel("median time per call (ms, log)")
       ax_l.set_title(f"{MODE_TITLE[mode]} — {family_label(fam)}\n{bnote}",
                      fontsize=10.5)
-      ax_s.set_ylabel("competitor time ÷ foldax time\n"
-                      "(red dashes = foldax; above: foldax faster)")
+      ax_s.set_ylabel("competitor ÷ foldax time\n(> 1: foldax faster)")
       ax_s.set_xlabel("sequence length (tokens)")
   fig.legend([handles[i] for i in impls if i in handles],
              [impl_name(i, md) for i in impls if i in handles],
@@ -468,6 +473,7 @@ def seqlen_figure(records: list[dict], md: dict, path: Path, *,
   gpu = device_label(md)
   fig.suptitle(f"How does time grow with sequence length? ({suite}, {gpu})")
   _footer(fig, provenance(md, list(sources)))
+  fig.align_ylabels()
   right = 1 - 3.0 / (6.2 * len(modes) + 3.2)
   fig.tight_layout(rect=(0, 0.03, right, 0.97))
   fig.savefig(path, dpi=130)
@@ -557,37 +563,46 @@ def _first(r: dict, keys) -> Any:
   return None, None
 
 
-def decode_points(records: list[dict]) -> dict:
-  """{(impl, label): [(context, TB/s), ...]} from decode records, whatever
-  bandwidth/context key names the decode suite uses."""
-  out: dict[tuple, list] = {}
+def decode_bw(r: dict) -> float | None:
+  """Achieved bandwidth of a decode record in TB/s, whatever its key."""
+  _, bw = _first(r, BW_KEYS_TBS)
+  if bw is None:
+    _, g = _first(r, BW_KEYS_GBS)
+    bw = g / 1e3 if g is not None else None
+  return None if bw is None else float(bw)
+
+
+def decode_shape(r: dict) -> str:
+  _, ctx = _first(r, CTX_KEYS)
+  bits = []
+  for k in ("B", "batch"):
+    if r.get(k) is not None:
+      bits.append(f"B{r[k]}")
+      break
+  if ctx is not None:
+    bits.append(f"context {_tokens(ctx)}")
+  if r.get("Hq") is not None and r.get("Hkv") is not None:
+    bits.append(f"H{r['Hq']}/KV{r['Hkv']}")
+  for k in ("D", "head_dim"):
+    if r.get(k) is not None:
+      bits.append(f"D{r[k]}")
+      break
+  if r.get("dtype"):
+    bits.append(str(r["dtype"]))
+  return " ".join(bits)
+
+
+def decode_groups(records: list[dict]) -> dict:
+  """{shape label: {impl: record}} for decode records that carry a time or
+  an error (records of other kinds, e.g. accuracy rows, are left out)."""
+  out: dict[str, dict] = {}
   for r in records:
-    if r.get("error") and r.get("ms") is None:
+    if "impl" not in r or r.get("mode") in MODES or r.get("mode") == "check":
       continue
-    _, bw = _first(r, BW_KEYS_TBS)
-    if bw is None:
-      _, g = _first(r, BW_KEYS_GBS)
-      bw = g / 1e3 if g is not None else None
-    _, ctx = _first(r, CTX_KEYS)
-    if bw is None or ctx is None:
+    if r.get("ms") is None and decode_bw(r) is None and not r.get("error"):
       continue
-    extra = []
-    for k in ("B", "batch"):
-      if r.get(k) is not None:
-        extra.append(f"B{r[k]}")
-        break
-    if r.get("Hq") is not None and r.get("Hkv") is not None:
-      extra.append(f"H{r['Hq']}/KV{r['Hkv']}")
-    for k in ("D", "head_dim"):
-      if r.get(k) is not None:
-        extra.append(f"D{r[k]}")
-        break
-    for k in ("variant", "config", "mode"):
-      if r.get(k) not in (None, "", "decode"):
-        extra.append(str(r[k]))
-    out.setdefault((r.get("impl", "?"), " ".join(extra)), []).append(
-        (float(ctx), float(bw)))
-  return {k: sorted(v) for k, v in out.items()}
+    out.setdefault(decode_shape(r), {})[r["impl"]] = r
+  return out
 
 
 def _tokens(x: float) -> str:
@@ -599,55 +614,75 @@ def _tokens(x: float) -> str:
 
 def decode_figure(records: list[dict], md: dict, path: Path, *,
                   sources=()) -> Path | None:
-  pts = decode_points(records)
-  if not pts:
+  """Horizontal bars of achieved TB/s per implementation, one panel per
+  decode shape, with the GPU's HBM peak marked."""
+  groups = {k: v for k, v in decode_groups(records).items()
+            if any(decode_bw(r) for r in v.values())}
+  if not groups:
     return None
   plt = _plt()
-  configs = sorted({c for _, c in pts})
-  impls = sorted({i for i, _ in pts}, key=lambda i: (
-      IMPL_ORDER.index(i) if i in IMPL_ORDER else len(IMPL_ORDER), i))
-  styles = _impl_styles(impls)
-  n = len(configs)
+  impls = []
+  for g in groups.values():
+    for i, r in g.items():
+      if decode_bw(r) and i not in impls:
+        impls.append(i)
+  impls.sort(key=lambda i: (0 if i == "ours" else 1 if i.startswith("ours")
+                            else 2, IMPL_ORDER.index(i) if i in IMPL_ORDER
+                            else len(IMPL_ORDER), i))
+  n = len(groups)
   ncol = min(2, n)
   nrow = math.ceil(n / ncol)
-  fig, axes = plt.subplots(nrow, ncol, figsize=(6.8 * ncol + 2.8, 3.8 * nrow),
-                           squeeze=False)
+  fig_w = 3.2 + 5.6 * ncol
+  fig_h = 1.6 + nrow * (0.9 + 0.42 * len(impls))
+  fig, axes = plt.subplots(nrow, ncol, figsize=(fig_w, fig_h), squeeze=False)
   for ax in axes.flat[n:]:
     ax.axis("off")
-  gpu = str(md.get("gpu_name") or md.get("device_kind") or "CPU")
+  gpu = str(md.get("gpu_name") or "")
   peak = next((v for k, v in HBM_PEAK_TBS.items() if k in gpu), None)
-  handles = {}
-  for ax, cfg in zip(axes.flat, configs):
-    for impl in impls:
-      p = pts.get((impl, cfg))
-      if not p:
-        continue
-      h, = ax.plot(*zip(*p), label=impl_name(impl, md), **styles[impl])
-      handles.setdefault(impl, h)
+  top = max([peak or 0] + [decode_bw(r) or 0 for g in groups.values()
+                           for r in g.values()])
+  for k, (ax, (label, g)) in enumerate(zip(axes.flat, groups.items())):
+    ys = list(range(len(impls)))[::-1]
+    for y, impl in zip(ys, impls):
+      r = g.get(impl)
+      bw = decode_bw(r) if r else None
+      col = OURS_COLOR if impl == "ours" else (
+          "#f4a09c" if impl.startswith("ours") else "#4c72b0")
+      if bw:
+        ax.barh(y, bw, height=0.65, color=col)
+        txt = f"{bw:.2f} TB/s"
+        if r.get("ms") is not None:
+          txt += f"  ·  {fmt_ms(r['ms'])} ms"
+        ax.text(bw + top * 0.01, y, txt, va="center", fontsize=8)
+      else:
+        why = "error" if (r or {}).get("error") else "not run"
+        ax.text(top * 0.01, y, why, va="center", fontsize=8, color="#777777")
     if peak:
-      ax.axhline(peak, color="#444444", ls=":", lw=1.2)
-      ax.text(0.01, peak, f" HBM peak {peak} TB/s", transform=(
-          ax.get_yaxis_transform()), va="bottom", fontsize=8, color="#444444")
-    ax.set_xscale("log", base=2)
-    ctxs = sorted({x for (i, c), p in pts.items() if c == cfg for x, _ in p})
-    ax.set_xticks(ctxs)
-    ax.set_xticklabels([_tokens(x) for x in ctxs])
-    ax.minorticks_off()
-    ax.set_xlabel("context length (tokens in the KV cache)")
-    ax.set_ylabel("achieved bandwidth (TB/s)")
-    top = max([peak or 0] + [y for (i, c), p in pts.items() if c == cfg
-                             for _, y in p])
-    ax.set_ylim(0, top * 1.12)
-    ax.set_title(cfg or "decode", fontsize=10.5)
-    ax.grid(True, alpha=0.3)
-  fig.legend([handles[i] for i in impls if i in handles],
-             [impl_name(i, md) for i in impls if i in handles],
-             loc="center right", frameon=False)
+      ax.axvline(peak, color="#444444", ls=":", lw=1.3)
+      ax.text(peak, len(impls) - 0.45, f"HBM peak {peak} TB/s ", ha="right",
+              va="bottom", fontsize=8, color="#444444")
+    ax.set_xlim(0, top * 1.35)
+    ax.set_ylim(-0.6, len(impls) - 0.1)
+    ax.set_yticks(ys)
+    if k % ncol == 0:
+      ax.set_yticklabels([impl_name(i, md) for i in impls], fontsize=8.5)
+      for t, impl in zip(ax.get_yticklabels(), impls):
+        if impl == "ours":
+          t.set_color(OURS_COLOR)
+          t.set_fontweight("bold")
+    else:
+      ax.set_yticklabels([])
+    ax.tick_params(axis="y", length=0)
+    ax.set_title(label, fontsize=10.5)
+    ax.set_xlabel("achieved bandwidth (TB/s; higher is better)")
+    ax.grid(True, axis="x", alpha=0.3)
   fig.suptitle("How close to the memory bandwidth does decode get? "
                f"({device_label(md)})")
-  _footer(fig, "bandwidth = bytes of K/V (and queries) read per step ÷ "
-          "median step time.  " + provenance(md, list(sources)))
-  fig.tight_layout(rect=(0, 0.04, 1 - 2.6 / (6.8 * ncol + 2.8), 0.95))
+  conv = (md.get("conventions") or {})
+  note = ("bandwidth = bytes of K and V read per step ÷ median step time"
+          if not conv.get("bandwidth") else str(conv["bandwidth"]))
+  _footer(fig, note + ".\n" + provenance(md, list(sources)))
+  fig.tight_layout(rect=(0, 0.5 / fig_h, 1, 1 - 0.45 / fig_h))
   fig.savefig(path, dpi=130)
   plt.close(fig)
   return path
@@ -707,6 +742,11 @@ def suite_table(name: str, suite: dict, md: dict) -> list[str]:
           _cell(rs["fwd+bwd"], has_tflops) or "–",
           "–" if impl == "ours" else " / ".join(sp), mem,
           "–" if rep is None else ("yes" if rep else "**no**")]) + " |")
+  ovh = [r for r in recs if r.get("overhead_us") is not None]
+  if ovh:
+    lines.append("\nBridge overhead (bridge time minus calling JAX directly):"
+                 " " + "; ".join(f"{shape_label(shape_key(r))} {r['mode']}: "
+                                 f"{r['overhead_us']:.0f} µs" for r in ovh))
   checks = [r for r in recs if r.get("mode") == "check"
             and any(k.startswith("rel_err") for k in r)]
   if checks:
@@ -723,15 +763,32 @@ def suite_table(name: str, suite: dict, md: dict) -> list[str]:
 
 
 def decode_table(suite: dict, md: dict) -> list[str]:
-  pts = decode_points(suite.get("records", []))
-  if not pts:
+  groups = decode_groups(suite.get("records", []))
+  if not groups:
     return []
-  lines = ["\n| implementation | config | context | TB/s |",
-           "|---|---|---:|---:|"]
-  for (impl, cfg), p in pts.items():
-    for ctx, bw in p:
-      lines.append(f"| {impl_name(impl, md)} | {cfg} | {int(ctx):,} | "
-                   f"{bw:.2f} |")
+  lines = []
+  for label, g in groups.items():
+    lines.append(f"\n**{label}**\n")
+    lines.append("| implementation | time per step (ms) | TB/s | tokens/s | "
+                 "foldax speedup | peak memory | bitwise repeatable |")
+    lines.append("|---|---:|---:|---:|---:|---:|---|")
+    o = g.get("ours")
+    order = sorted(g, key=lambda i: (0 if i == "ours" else 1 if
+                                     i.startswith("ours") else 2, i))
+    for impl in order:
+      r = g[impl]
+      bw = decode_bw(r)
+      rep = r.get("bitwise_repeatable")
+      sp = (f"{r['ms'] / o['ms']:.2f}×" if impl != "ours" and ok(o) and ok(r)
+            else "–")
+      name = impl_name(impl, md)
+      lines.append("| " + " | ".join([
+          f"**{name}**" if impl == "ours" else name,
+          fmt_ms(r["ms"]) if ok(r) else ("error" if r.get("error") else "–"),
+          f"{bw:.2f}" if bw is not None else "–",
+          f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "–",
+          sp, fmt_bytes(r.get("peak_mem_bytes")),
+          "–" if rep is None else ("yes" if rep else "**no**")]) + " |")
   return lines
 
 

@@ -139,6 +139,22 @@ def _suite_result(doc: dict | None, rc: int, tail: str, timed_out: bool,
   return res
 
 
+def _without(argv: list[str], opt: str) -> list[str]:
+  """argv less `opt VALUE` / `opt=VALUE` (and less --smoke)."""
+  out, skip = [], False
+  for a in argv:
+    if skip:
+      skip = False
+      continue
+    if a == opt:
+      skip = True
+      continue
+    if a.startswith(opt + "=") or a == "--smoke":
+      continue
+    out.append(a)
+  return out
+
+
 def run_dense(args, extra: list[str], gpu: bool, tmp: Path) -> dict:
   out = tmp / "dense.json"
   base = [sys.executable, "-m", "benchmarks.dense", "--output", str(out)]
@@ -154,9 +170,9 @@ def run_dense(args, extra: list[str], gpu: bool, tmp: Path) -> dict:
   if gpu and not args.smoke and not args.no_det_cudnn and doc is not None:
     det = tmp / "dense_det.json"
     rc2, tail2, to2 = _run_streaming(
-        [sys.executable, "-m", "benchmarks.dense", "--output", str(det),
-         "--deterministic-cudnn", "--budget-s", str(args.det_budget_s)]
-        + [f for f in flags if f != "--smoke"],
+        [sys.executable, "-m", "benchmarks.dense", *_without(flags, "--budget-s"),
+         "--output", str(det), "--deterministic-cudnn", "--budget-s",
+         str(args.det_budget_s)],
         args.det_budget_s + 60, "  [dense det] ")
     d2 = _read(det)
     if d2:
@@ -173,11 +189,7 @@ def run_decode(args, gpu: bool, tmp: Path) -> dict:
                 note="benchmarks/decode.py does not exist yet")
   out = tmp / "decode.json"
   base = [sys.executable, "-m", "benchmarks.decode", "--output", str(out)]
-  flags = []
-  if not gpu or args.smoke:
-    flags.append("--smoke")
-  elif args.quick:
-    flags.append("--quick")
+  flags = ["--smoke"] if (not gpu or args.smoke) else []  # no --quick there
   flags += shlex.split(args.decode_args or "")
   t0 = time.time()
   rc, tail, to = _run_streaming(base + flags, args.timeout_s, "  [decode] ")

@@ -7,6 +7,7 @@ recorded as not available. No JAX, no GPU: a few seconds."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -74,11 +75,17 @@ def test_committed_results_match_the_json(h200_out):
 def test_cli_and_merged_run_format(tmp_path):
   src = json.loads(H200_JSON.read_text())
   dense = [r for r in src["records"]]
-  decode = [dict(impl=impl, B=1, Hq=32, Hkv=8, D=128, context=ctx,
-                 mode="decode", ms=0.05, tbps=bw * (1 - 256 / ctx),
-                 error=None)
-            for impl, bw in (("ours", 4.0), ("jax_xla", 2.0))
-            for ctx in (1024, 8192, 65536)]
+  # benchmarks.decode's record schema (eff_tbs: K+V bytes / time, T: context)
+  decode = [dict(impl=impl, B=b, T=t, Hq=32, Hkv=8, D=128, page=256,
+                 dtype="bf16", ms=2 * b * t * 8 * 128 * 2 / (bw * 1e9),
+                 eff_tbs=bw, tokens_per_s=b / (2 * b * t * 8 * 128 * 2 /
+                                               (bw * 1e12)),
+                 error=None, bitwise_repeatable=True)
+            for impl, bw in (("ours", 3.5), ("ours_v8", 3.6),
+                             ("torch_sdpa", 3.8))
+            for b, t in ((8, 32768), (64, 4096))]
+  decode.append(dict(impl="pallas_paged", B=8, T=32768, Hq=32, Hkv=8, D=128,
+                     ms=None, eff_tbs=None, error="ValueError: boom"))
   doc = dict(metadata=dict(src["metadata"], command="python -m "
                            "benchmarks.run --suite all"),
              suites=dict(
@@ -101,7 +108,10 @@ def test_cli_and_merged_run_format(tmp_path):
   t = (out / "table.md").read_text()
   assert "## deberta" in t and "not available" in t
   assert "## bridge" in t and "status: error" in t
-  assert "| foldax (ours) | B1 H32/KV8 D128 | 65,536 | 3.98 |" in t
+  assert "**B8 context 32k H32/KV8 D128 bf16**" in t
+  assert re.search(r"\| \*\*foldax \(ours\)\*\* \| 0\.\d+ \| 3\.50 \| [\d,]+ \| – \|", t)
+  assert re.search(r"\| torch SDPA \| 0\.\d+ \| 3\.80 \| [\d,]+ \| 0\.92× \|", t)
+  assert "| JAX Pallas paged_attention | error |" in t
 
 
 def test_smoke_shaped_input(tmp_path):
@@ -126,3 +136,33 @@ def test_smoke_shaped_input(tmp_path):
                                    "table.md"}
   t = (tmp_path / "o" / "table.md").read_text()
   assert "smoke run" in t and "0.50× / 0.50×" in t and "skipped" in t
+
+
+def test_run_merges_suites_into_one_json(tmp_path):
+  """benchmarks.run on CPU: one process per suite, merged JSON with the run's
+  metadata, every suite either measured or recorded with a status; the
+  merged file plots. (The dense suite runs in notebooks/05_benchmarks and
+  tests/test_benchmarks_smoke.py.)"""
+  out = tmp_path / "r.json"
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  r = subprocess.run([sys.executable, "-m", "benchmarks.run", "--suite",
+                      "bridge", "--output", str(out)], cwd=REPO, env=env,
+                     capture_output=True, text=True, timeout=240)
+  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+  doc = json.loads(out.read_text())
+  md = doc["metadata"]
+  for k in ("command", "date", "git_commit", "versions", "suites", "smoke"):
+    assert k in md, k
+  assert md["smoke"] is True and md["suites"] == ["bridge"]
+  assert md["command"].startswith("python -m benchmarks.run --suite bridge")
+  s = doc["suites"]["bridge"]
+  assert s["status"] in ("ok", "not available"), s
+  if s["status"] == "ok":
+    by = {(x["impl"], x["mode"]): x for x in s["records"]}
+    assert by[("bridge", "fwd")]["ms"] > 0 and by[("jax_direct", "fwd")]["ms"] > 0
+  else:
+    assert s["note"] and s["records"] == []
+  from benchmarks import plot
+  assert (tmp_path / "f").exists() is False
+  names = {p.name for p in plot.plot_all([out], tmp_path / "f")}
+  assert "table.md" in names
