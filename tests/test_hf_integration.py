@@ -5,6 +5,9 @@ Qwen2-style (sliding window on the second layer), Gemma2-style (logit
 soft-cap, alternating windows) and GPT-OSS-style (attention sinks). For each:
 logits with left and right padding, one training step's gradients, greedy
 `generate` with transformers' cache, and a packed (padding-free) batch.
+DeBERTa-v2 (masked LM) through `torch_bridge.optimize_deberta`: the swap
+keeps the state dict, logits and gradients match eager with padding, packed
+inputs match the sequences run alone, dropout follows torch's seed.
 CPU: the bridge runs JAX's XLA path.
 """
 
@@ -256,3 +259,109 @@ def test_dropout_is_refused():
   model.train()
   with pytest.raises(NotImplementedError, match="dropout"):
     model(input_ids=torch.randint(3, VOCAB, (1, 4)))
+
+
+# ----------------------------------------------------------------------------
+# DeBERTa-v2/v3: torch_bridge.optimize_deberta (module swap)
+# ----------------------------------------------------------------------------
+
+def _deberta(share_att_key=True, position_biased_input=False, dropout=0.0):
+  from transformers import DebertaV2Config, DebertaV2ForMaskedLM
+  cfg = DebertaV2Config(
+      vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+      num_attention_heads=4, intermediate_size=96, max_position_embeddings=64,
+      relative_attention=True, position_buckets=8, max_relative_positions=16,
+      pos_att_type=["p2c", "c2p"], share_att_key=share_att_key,
+      norm_rel_ebd="layer_norm", position_biased_input=position_biased_input,
+      hidden_dropout_prob=0.0, attention_probs_dropout_prob=dropout)
+  return DebertaV2ForMaskedLM(cfg)
+
+
+@pytest.fixture(scope="module", params=[True, False],
+                ids=["share_att_key", "pos_proj"])
+def deberta_pair(request):
+  torch.manual_seed(4)
+  eager = _deberta(share_att_key=request.param).eval()
+  fold = torch_bridge.optimize_deberta(copy.deepcopy(eager))
+  return eager, fold
+
+
+def test_deberta_swap_keeps_weights_and_names(deberta_pair):
+  from transformers.models.deberta_v2.modeling_deberta_v2 import \
+      DisentangledSelfAttention
+  eager, fold = deberta_pair
+  swapped = [m for m in fold.modules()
+             if isinstance(m, torch_bridge.deberta.FoldDisentangledSelfAttention)]
+  assert len(swapped) == 2
+  assert all(isinstance(m, DisentangledSelfAttention) for m in swapped)
+  a, b = eager.state_dict(), fold.state_dict()
+  assert a.keys() == b.keys()
+  assert all(torch.equal(a[k], b[k]) for k in a)
+  back = torch_bridge.deberta.restore(copy.deepcopy(fold))
+  assert not any(isinstance(m, torch_bridge.deberta.FoldDisentangledSelfAttention)
+                 for m in back.modules())
+
+
+def test_deberta_logits_and_gradients_match_eager(deberta_pair):
+  eager, fold = deberta_pair
+  ids, am = _batch("right")
+  with torch.no_grad():
+    ref = eager(input_ids=ids, attention_mask=am).logits
+    out = fold(input_ids=ids, attention_mask=am).logits
+  valid = am.bool()
+  torch.testing.assert_close(out[valid], ref[valid], atol=2e-5, rtol=2e-5)
+  labels = ids.masked_fill(am == 0, -100)
+  grads = []
+  for model in (eager, fold):
+    model.train()
+    model.zero_grad(set_to_none=True)
+    model(input_ids=ids, attention_mask=am, labels=labels).loss.backward()
+    grads.append({n: p.grad.clone() for n, p in model.named_parameters()
+                  if p.grad is not None})
+    model.eval()
+  assert grads[0].keys() == grads[1].keys()
+  for n in grads[0]:
+    torch.testing.assert_close(grads[1][n], grads[0][n], atol=1e-5,
+                               rtol=1e-4, msg=n)
+
+
+def test_deberta_packed_matches_separate_sequences(deberta_pair):
+  eager, fold = deberta_pair
+  g = torch.Generator().manual_seed(5)
+  ids = torch.randint(3, VOCAB, (1, 12), generator=g)
+  cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+  with torch.no_grad():
+    with torch_bridge.deberta.packed(cu, max_seqlen=7):
+      out = fold(input_ids=ids).logits
+    for i in range(2):
+      ref = eager(input_ids=ids[:, cu[i]:cu[i + 1]]).logits
+      torch.testing.assert_close(out[:, cu[i]:cu[i + 1]], ref, atol=2e-5,
+                                 rtol=2e-5)
+
+
+def test_deberta_dropout_is_seeded_by_torch():
+  torch.manual_seed(6)
+  model = torch_bridge.optimize_deberta(_deberta(dropout=0.3)).train()
+  ids = torch.randint(3, VOCAB, (2, 8))
+  outs = []
+  for seed in (0, 0, 1):
+    torch.manual_seed(seed)
+    outs.append(model(input_ids=ids).logits.detach())
+  assert torch.equal(outs[0], outs[1])
+  assert not torch.equal(outs[0], outs[2])
+  model.eval()
+  with torch.no_grad():
+    assert torch.equal(model(input_ids=ids).logits,
+                       model(input_ids=ids).logits)
+
+
+def test_deberta_custom_op_opcheck():
+  q, k, v = (torch.randn(1, 6, 2, 8, requires_grad=True) for _ in range(3))
+  pk = torch.randn(16, 2, 8, requires_grad=True)
+  pq = torch.randn(16, 2, 8, requires_grad=True)
+  mask = torch.ones(1, 6, dtype=torch.int32)
+  args = (q, k, v, pk, pq, mask, None, None, "xla", 8, 16, True, True, 0.0, 0)
+  torch.library.opcheck(torch.ops.foldax.deberta_fwd.default, args,
+                        test_utils=("test_schema",
+                                    "test_autograd_registration",
+                                    "test_faketensor"))

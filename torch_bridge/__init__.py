@@ -4,6 +4,7 @@
     out = torch_bridge.fold_attn_func(q, k, v, causal=True)   # [b, s, h, d]
     out = torch_bridge.fold_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk)
     torch_bridge.hf.register()               # attn_implementation="fold"
+    torch_bridge.optimize_deberta(model)     # HF DeBERTa-v2/v3, in place
 
 GPU memory: importing this package sets XLA_PYTHON_CLIENT_PREALLOCATE=false
 (unless XLA_PYTHON_CLIENT_PREALLOCATE, XLA_PYTHON_CLIENT_MEM_FRACTION or
@@ -28,8 +29,12 @@ _runtime.warn_if_jax_initialised_early(_SET_ALLOCATOR)
 
 from torch_bridge.attention import (fold_attn_func,  # noqa: E402
                                     fold_attn_varlen_func, resolve_backend)
+from torch_bridge import deberta  # noqa: E402
+from torch_bridge.deberta import (disentangled_attention,  # noqa: E402
+                                  optimize_deberta)
 
-__all__ = ["fold_attn_func", "fold_attn_varlen_func", "resolve_backend", "hf"]
+__all__ = ["fold_attn_func", "fold_attn_varlen_func", "resolve_backend",
+           "disentangled_attention", "optimize_deberta", "deberta", "hf"]
 
 
 def __getattr__(name):

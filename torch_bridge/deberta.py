@@ -1,0 +1,391 @@
+"""DeBERTa-v2/v3 in torch on foldax's disentangled-attention kernels.
+
+    import torch_bridge
+    model = AutoModel.from_pretrained("microsoft/deberta-v3-base")
+    torch_bridge.optimize_deberta(model)      # in place; returns the model
+
+    # packed (padding-free) batch: input_ids [1, total]
+    with torch_bridge.deberta.packed(cu_seqlens, max_seqlen):
+      out = model(input_ids=packed_ids)
+
+`optimize_deberta` changes the class of every `DisentangledSelfAttention`
+in the model to `FoldDisentangledSelfAttention`, a subclass: parameters,
+buffers, names and hooks are untouched, so checkpoints load and save
+unchanged (`torch_bridge.deberta.restore(model)` switches back). Its forward
+projects q/k/v and the relative embeddings with the module's own layers
+(HF's `share_att_key`, `pos_att_type`, `position_buckets`, relative-embedding
+dropout) and computes attention with `jax_api.deberta.disentangled_attention`
+through the bridge (`torch.library.custom_op` `foldax::deberta_fwd` /
+`foldax::deberta_bwd`, DLPack hand-off as in `torch_bridge._runtime`).
+q/k/v stay in [batch, seq, heads, head_dim]: no transposes or copies.
+
+Masks: HF's encoder hands each layer the outer product of the 2D padding
+mask; the module reads its diagonal back (pair (i, j) is visible iff both
+tokens are). A padded query row outputs 0 (HF eager: the mean of v). Other
+3D/4D masks, `output_attentions=True` or explicit `query_states` fall back
+to HF's own forward.
+
+Packed inputs: inside `packed(cu_seqlens, max_seqlen)`, a batch of one row
+[1, total] is attended per sequence (relative positions restart at each
+sequence's start; tokens past cu_seqlens[-1] output 0).
+
+Training: attention-probability dropout (`attention_probs_dropout_prob`) runs
+inside the kernel from a seed drawn from torch's generator on each call (so
+`torch.manual_seed` makes runs repeatable); the mask is regenerated in the
+backward, never stored.
+
+Backward: the JAX VJP of `disentangled_attention` (jitted, per static
+configuration) recomputes the forward it differentiates: one extra forward
+per backward, the price of not depending on the kernel's private residual
+layout (the dense bridge does reuse its residuals).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from torch_bridge import _runtime as rt
+from torch_bridge.attention import resolve_backend
+
+_PACKED: contextvars.ContextVar = contextvars.ContextVar("foldax_packed",
+                                                         default=None)
+
+
+@contextlib.contextmanager
+def packed(cu_seqlens: Tensor, max_seqlen: int | None = None):
+  """Swapped DeBERTa layers attend per sequence of `cu_seqlens` (int32
+  [num_seqs + 1]) on a batch of one packed row while this is active."""
+  if max_seqlen is None:
+    max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+  token = _PACKED.set((cu_seqlens, int(max_seqlen)))
+  try:
+    yield
+  finally:
+    _PACKED.reset(token)
+
+
+# ----------------------------------------------------------------------------
+# JAX side
+# ----------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class DebertaConfig:
+  backend: str
+  position_buckets: int
+  max_relative_positions: int
+  c2p: bool
+  p2c: bool
+  dropout_rate: float
+  max_seqlen: int  # packed only (0 otherwise)
+
+
+def _jax_attention(cfg: DebertaConfig, q, k, v, pk, pq, mask, cu, seed):
+  import jax
+  from jax_api.deberta import disentangled_attention
+  types = tuple(t for t, on in (("c2p", cfg.c2p), ("p2c", cfg.p2c)) if on)
+  rng = None if seed is None else jax.random.key(seed)
+  return disentangled_attention(
+      q, k, v, pk, pq, attention_mask=mask, cu_seqlens=cu,
+      max_seqlen=cfg.max_seqlen or None,
+      position_buckets=cfg.position_buckets,
+      max_relative_positions=cfg.max_relative_positions, pos_att_type=types,
+      dropout_rate=cfg.dropout_rate, dropout_rng=rng, backend=cfg.backend)
+
+
+@functools.cache
+def _forward_fn(cfg: DebertaConfig):
+  import jax
+  return jax.jit(functools.partial(_jax_attention, cfg))
+
+
+@functools.cache
+def _backward_fn(cfg: DebertaConfig):
+  import jax
+
+  def bwd(q, k, v, pk, pq, mask, cu, seed, dout):
+    f = lambda q, k, v, pk, pq: _jax_attention(cfg, q, k, v, pk, pq, mask,
+                                               cu, seed)
+    _, vjp = jax.vjp(f, q, k, v, pk, pq)
+    return vjp(dout.astype(q.dtype))
+
+  return jax.jit(bwd)
+
+
+def _static(backend, position_buckets, max_relative_positions, c2p, p2c,
+            dropout_rate, max_seqlen):
+  return DebertaConfig(backend, int(position_buckets),
+                       int(max_relative_positions), bool(c2p), bool(p2c),
+                       float(dropout_rate), int(max_seqlen))
+
+
+def _fwd_impl(q, k, v, pk, pq, mask, cu, seed, cfg: DebertaConfig):
+  target = rt.target_for(q.device, q.dtype, cfg.backend)
+  imp = rt.Importer(target)
+  out = _forward_fn(cfg)(imp(q), imp(k), imp(v), imp(pk), imp(pq), imp(mask),
+                         imp(cu), imp(seed))
+  return rt.export([out], target)[0]
+
+
+def _bwd_impl(dout, q, k, v, pk, pq, mask, cu, seed, cfg: DebertaConfig):
+  target = rt.target_for(q.device, q.dtype, cfg.backend)
+  imp = rt.Importer(target)
+  grads = _backward_fn(cfg)(imp(q), imp(k), imp(v), imp(pk), imp(pq),
+                            imp(mask), imp(cu), imp(seed), imp(dout))
+  dq, dk, dv, dpk, dpq = rt.export(grads, target)
+  empty = q.new_empty((0,))
+  return dq, dk, dv, (empty if dpk is None else dpk), (empty if dpq is None
+                                                       else dpq)
+
+
+# ----------------------------------------------------------------------------
+# Custom ops (torch.compile) and the eager autograd.Function
+# ----------------------------------------------------------------------------
+
+@torch.library.custom_op("foldax::deberta_fwd", mutates_args=())
+def deberta_fwd(q: Tensor, k: Tensor, v: Tensor, pos_key: Optional[Tensor],
+                pos_query: Optional[Tensor], mask: Optional[Tensor],
+                cu: Optional[Tensor], seed: Optional[Tensor], backend: str,
+                position_buckets: int, max_relative_positions: int,
+                c2p: bool, p2c: bool, dropout_rate: float,
+                max_seqlen: int) -> Tensor:
+  cfg = _static(backend, position_buckets, max_relative_positions, c2p, p2c,
+                dropout_rate, max_seqlen)
+  return _fwd_impl(q, k, v, pos_key, pos_query, mask, cu, seed, cfg)
+
+
+@deberta_fwd.register_fake
+def _(q, k, v, pos_key, pos_query, mask, cu, seed, *static):
+  return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("foldax::deberta_bwd", mutates_args=())
+def deberta_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor,
+                pos_key: Optional[Tensor], pos_query: Optional[Tensor],
+                mask: Optional[Tensor], cu: Optional[Tensor],
+                seed: Optional[Tensor], backend: str, position_buckets: int,
+                max_relative_positions: int, c2p: bool, p2c: bool,
+                dropout_rate: float, max_seqlen: int
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+  cfg = _static(backend, position_buckets, max_relative_positions, c2p, p2c,
+                dropout_rate, max_seqlen)
+  return _bwd_impl(dout, q, k, v, pos_key, pos_query, mask, cu, seed, cfg)
+
+
+@deberta_bwd.register_fake
+def _(dout, q, k, v, pos_key, pos_query, mask, cu, seed, *static):
+  like = lambda x: (torch.empty_like(x, memory_format=torch.contiguous_format)
+                    if x is not None else q.new_empty((0,)))
+  return like(q), like(k), like(v), like(pos_key), like(pos_query)
+
+
+def _setup_context(ctx, inputs, output):
+  ctx.save_for_backward(*inputs[:8])
+  ctx.static = tuple(inputs[8:])
+
+
+def _backward(ctx, dout):
+  q, k, v, pk, pq, mask, cu, seed = ctx.saved_tensors
+  dq, dk, dv, dpk, dpq = torch.ops.foldax.deberta_bwd(
+      dout, q, k, v, pk, pq, mask, cu, seed, *ctx.static)
+  return (dq, dk, dv, dpk if pk is not None else None,
+          dpq if pq is not None else None) + (None,) * 10
+
+
+deberta_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerDeberta(torch.autograd.Function):
+
+  @staticmethod
+  def forward(ctx, q, k, v, pk, pq, mask, cu, seed, cfg):
+    ctx.save_for_backward(q, k, v, pk, pq, mask, cu, seed)
+    ctx.cfg = cfg
+    return _fwd_impl(q, k, v, pk, pq, mask, cu, seed, cfg)
+
+  @staticmethod
+  def backward(ctx, dout):
+    q, k, v, pk, pq, mask, cu, seed = ctx.saved_tensors
+    dq, dk, dv, dpk, dpq = _bwd_impl(dout, q, k, v, pk, pq, mask, cu, seed,
+                                     ctx.cfg)
+    return (dq, dk, dv, dpk if pk is not None else None,
+            dpq if pq is not None else None, None, None, None, None)
+
+
+def disentangled_attention(q: Tensor, k: Tensor, v: Tensor,
+                           pos_key: Tensor | None = None,
+                           pos_query: Tensor | None = None, *,
+                           attention_mask: Tensor | None = None,
+                           cu_seqlens: Tensor | None = None,
+                           max_seqlen: int | None = None,
+                           position_buckets: int = 256,
+                           max_relative_positions: int = 512,
+                           pos_att_type=("c2p", "p2c"),
+                           dropout_rate: float = 0.0,
+                           seed: Tensor | int | None = None,
+                           backend: str = "auto") -> Tensor:
+  """`jax_api.deberta.disentangled_attention` for torch tensors.
+
+  q, k, v: [batch, seq, heads, head_dim] (or packed [total, heads, head_dim]
+  with `cu_seqlens`); pos_key / pos_query: [>= 2*att_span, heads, head_dim]
+  (the relative embeddings through the key / query projections);
+  attention_mask: [batch, seq] 0/1. dropout_rate > 0 needs `seed` (an int
+  or an int32 scalar tensor; drawn from torch's generator when None).
+  Differentiable in q, k, v, pos_key and pos_query.
+  """
+  if isinstance(pos_att_type, str):
+    pos_att_type = [t.strip() for t in pos_att_type.split("|") if t.strip()]
+  c2p, p2c = "c2p" in pos_att_type, "p2c" in pos_att_type
+  be = resolve_backend(q, backend)
+  if attention_mask is not None:
+    attention_mask = attention_mask.to(device=q.device, dtype=torch.int32)
+  mq = 0
+  if cu_seqlens is not None:
+    cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    mq = int(max_seqlen) if max_seqlen is not None else int(
+        (cu_seqlens[1:] - cu_seqlens[:-1]).max())
+  if dropout_rate > 0:
+    if seed is None:
+      seed = int(torch.randint(0, 2**31 - 1, ()))
+    if not isinstance(seed, Tensor):
+      seed = torch.tensor(int(seed) & 0x7FFFFFFF, dtype=torch.int32)
+    seed = seed.to(device=q.device, dtype=torch.int32)
+  else:
+    seed = None
+  pk = pos_key if c2p else None
+  pq = pos_query if p2c else None
+  cfg = _static(be, position_buckets, max_relative_positions, c2p, p2c,
+                dropout_rate, mq)
+  args = (q, k, v, pk, pq, attention_mask, cu_seqlens, seed)
+  if torch.compiler.is_compiling():
+    return torch.ops.foldax.deberta_fwd(*args, *dataclasses.astuple(cfg))
+  if torch.is_grad_enabled() and any(
+      x is not None and x.requires_grad for x in (q, k, v, pk, pq)):
+    return _EagerDeberta.apply(*args, cfg)
+  return _fwd_impl(*args, cfg)
+
+
+# ----------------------------------------------------------------------------
+# The module swap
+# ----------------------------------------------------------------------------
+
+def _hf_class():
+  from transformers.models.deberta_v2.modeling_deberta_v2 import \
+      DisentangledSelfAttention
+  return DisentangledSelfAttention
+
+
+def _padding_mask(mask: Tensor, b: int, s: int):
+  """[b, s] token mask from HF's [b, 1, s, s] / [b, s, s] / [b, s] mask, or
+  None if it is not an outer product HF builds (not checked: the diagonal
+  is read back)."""
+  if mask is None:
+    return None
+  if mask.dim() == 2 and tuple(mask.shape) == (b, s):
+    return mask
+  if mask.dim() == 4 and mask.shape[1] == 1:
+    mask = mask[:, 0]
+  if mask.dim() == 3 and tuple(mask.shape) == (b, s, s):
+    return mask.diagonal(dim1=-2, dim2=-1)
+  return None
+
+
+class FoldDisentangledSelfAttention(torch.nn.Module):
+  """Set as the class of HF `DisentangledSelfAttention` instances by
+  `optimize_deberta` (a subclass is made at swap time so that `isinstance`
+  checks against HF's class still hold)."""
+
+  def forward(self, hidden_states, attention_mask, output_attentions=False,
+              query_states=None, relative_pos=None, rel_embeddings=None):
+    hf = _hf_class()
+    packed_cfg = _PACKED.get()
+    b, s = hidden_states.shape[:2]
+    tok_mask = None
+    if packed_cfg is None:
+      tok_mask = _padding_mask(attention_mask, b, s)
+    if (output_attentions or query_states is not None or
+        (packed_cfg is None and attention_mask is not None and
+         tok_mask is None) or (packed_cfg is not None and b != 1)):
+      rt.announce("torch_bridge.deberta: this call needs HF's own attention "
+                  "(output_attentions, query_states, a custom mask or a "
+                  "packed batch of more than one row); falling back.")
+      return hf.forward(self, hidden_states, attention_mask,
+                        output_attentions, query_states, relative_pos,
+                        rel_embeddings)
+    h = self.num_attention_heads
+    q = self.query_proj(hidden_states).view(b, s, h, -1)
+    k = self.key_proj(hidden_states).view(b, s, h, -1)
+    v = self.value_proj(hidden_states).view(b, s, h, -1)
+    d = q.shape[-1]
+    c2p = self.relative_attention and "c2p" in self.pos_att_type
+    p2c = self.relative_attention and "p2c" in self.pos_att_type
+    pk = pq = None
+    if c2p or p2c:
+      rel = self.pos_dropout(rel_embeddings[: 2 * self.pos_ebd_size])
+      if self.share_att_key:
+        pk = self.key_proj(rel) if c2p else None
+        pq = self.query_proj(rel) if p2c else None
+      else:
+        pk = self.pos_key_proj(rel) if c2p else None
+        pq = self.pos_query_proj(rel) if p2c else None
+      pk = None if pk is None else pk.view(-1, h, d)
+      pq = None if pq is None else pq.view(-1, h, d)
+    types = tuple(t for t, on in (("c2p", c2p), ("p2c", p2c)) if on)
+    rate = self.dropout.p if self.training else 0.0
+    buckets = self.position_buckets if self.relative_attention else -1
+    max_rel = self.max_relative_positions if self.relative_attention else 1
+    kw = dict(position_buckets=buckets, max_relative_positions=max_rel,
+              pos_att_type=types, dropout_rate=rate)
+    if packed_cfg is not None:
+      cu, ms = packed_cfg
+      out = disentangled_attention(q[0], k[0], v[0], pk, pq, cu_seqlens=cu,
+                                   max_seqlen=ms, **kw)[None]
+    else:
+      out = disentangled_attention(q, k, v, pk, pq, attention_mask=tok_mask,
+                                   **kw)
+    return out.reshape(b, s, h * d), None
+
+
+_swapped: dict = {}
+
+
+def _fold_class(cls):
+  if cls not in _swapped:
+    _swapped[cls] = type(f"Fold{cls.__name__}",
+                         (FoldDisentangledSelfAttention, cls),
+                         {"_foldax_original": cls})
+  return _swapped[cls]
+
+
+def optimize_deberta(model: torch.nn.Module) -> torch.nn.Module:
+  """Swaps every `DisentangledSelfAttention` of `model` (in place) for the
+  fold kernels; weights, names and state dict are unchanged. Returns model."""
+  hf = _hf_class()
+  n = 0
+  for m in model.modules():
+    if isinstance(m, hf) and not isinstance(m, FoldDisentangledSelfAttention):
+      m.__class__ = _fold_class(type(m))
+      n += 1
+  if n == 0 and not any(isinstance(m, FoldDisentangledSelfAttention)
+                        for m in model.modules()):
+    raise ValueError("optimize_deberta found no DisentangledSelfAttention "
+                     "module (is this a DeBERTa-v2/v3 model?).")
+  return model
+
+
+def restore(model: torch.nn.Module) -> torch.nn.Module:
+  """Undoes `optimize_deberta`."""
+  for m in model.modules():
+    if isinstance(m, FoldDisentangledSelfAttention):
+      m.__class__ = m._foldax_original
+  return model
+
+
+__all__ = ["optimize_deberta", "restore", "packed", "disentangled_attention",
+           "FoldDisentangledSelfAttention"]
