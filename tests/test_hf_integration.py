@@ -365,3 +365,41 @@ def test_deberta_custom_op_opcheck():
                         test_utils=("test_schema",
                                     "test_autograd_registration",
                                     "test_faketensor"))
+
+
+HAS_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (
+    8, 0)
+gpu = pytest.mark.skipif(not HAS_GPU, reason="needs an NVIDIA GPU (sm80+)")
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_llama_fold_matches_eager_and_generates():
+  torch.manual_seed(10)
+  eager = _llama().cuda().eval()
+  eager.set_attn_implementation("eager")
+  fold = copy.deepcopy(eager)
+  fold.set_attn_implementation("fold")
+  ids, am = (x.cuda() for x in _batch("left"))
+  with torch.no_grad():
+    ref = eager(input_ids=ids, attention_mask=am).logits
+    out = fold(input_ids=ids, attention_mask=am).logits
+  valid = am.bool()
+  torch.testing.assert_close(out[valid], ref[valid], atol=2e-4, rtol=2e-4)
+  kw = dict(input_ids=ids, attention_mask=am, max_new_tokens=8,
+            do_sample=False, pad_token_id=0)
+  assert torch.equal(fold.generate(**kw), eager.generate(**kw))
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_deberta_matches_eager_bf16():
+  torch.manual_seed(11)
+  eager = _deberta().cuda().eval()
+  fold = torch_bridge.optimize_deberta(copy.deepcopy(eager))
+  ids, am = (x.cuda() for x in _batch("right"))
+  with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+    ref = eager(input_ids=ids, attention_mask=am).logits.float()
+    out = fold(input_ids=ids, attention_mask=am).logits.float()
+  valid = am.bool()
+  torch.testing.assert_close(out[valid], ref[valid], atol=5e-2, rtol=5e-2)

@@ -351,6 +351,22 @@ def test_torch_compile_fullgraph_forward_backward():
     torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.slow
+def test_torch_compile_inductor_fullgraph():
+  """The default (inductor) backend: ~55 s of C++ compilation on a 2-core
+  CPU, hence slow; the aot_eager test above covers dynamo + AOTAutograd."""
+  torch.manual_seed(1)
+  block = _Block()
+  x = torch.randn(2, 8, 32)
+  ref = block(x)
+  ref_grads = torch.autograd.grad(ref, list(block.parameters()))
+  loss = torch.compile(block, fullgraph=True)(x)
+  grads = torch.autograd.grad(loss, list(block.parameters()))
+  torch.testing.assert_close(loss, ref, atol=1e-6, rtol=1e-6)
+  for a, b in zip(grads, ref_grads):
+    torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
 # ----------------------------------------------------------------------------
 # Pallas glue (the interpreted kernel on CPU) against the XLA path
 # ----------------------------------------------------------------------------
@@ -561,3 +577,101 @@ def test_gpu_overhead_report():
   r = bench.overhead(seq=128, iters=200)
   print(r)
   assert r["overhead_us"] < 200
+
+
+# ----------------------------------------------------------------------------
+# Decoding: FoldKVCache / fold_attn_with_kvcache
+# ----------------------------------------------------------------------------
+
+def test_kvcache_prefill_and_decode_match_reference():
+  torch.manual_seed(7)
+  hq, hkv, d = 4, 2, 16
+  lens = [5, 3]
+  cache = tb.FoldKVCache.create(2, hq, hkv, d, max_len=40, page_size=16,
+                                dtype=torch.float32, device="cpu")
+  cu = torch.tensor([0, 5, 8], dtype=torch.int32)
+  q = torch.randn(8, hq, d)
+  k = torch.randn(8, hkv, d)
+  v = torch.randn(8, hkv, d)
+  out = cache.prefill(q, k, v, cu, max_seqlen=5)
+  keys = [k[:5], k[5:]]
+  vals = [v[:5], v[5:]]
+  for i in range(2):
+    sl = slice(int(cu[i]), int(cu[i + 1]))
+    ref, _ = ref_attention(q[None, sl], k[None, sl], v[None, sl], causal=True)
+    _close(out[sl], ref[0], 2e-5)
+  assert cache.lengths.tolist() == lens
+  for step in range(3):
+    qs = torch.randn(2, hq, d)
+    ks = torch.randn(2, hkv, d)
+    vs = torch.randn(2, hkv, d)
+    o = tb.fold_attn_with_kvcache(qs, cache, ks, vs)
+    assert o.shape == qs.shape
+    for i in range(2):
+      keys[i] = torch.cat([keys[i], ks[i:i + 1]])
+      vals[i] = torch.cat([vals[i], vs[i:i + 1]])
+      ref, _ = ref_attention(qs[None, i:i + 1], keys[i][None], vals[i][None],
+                             causal=True)
+      _close(o[i], ref[0, 0], 2e-5)
+  assert cache.lengths.tolist() == [8, 6]
+  cache.free([0])
+  assert cache.lengths.tolist() == [0, 6]
+
+
+def test_kvcache_errors_raise_and_leave_the_cache_unchanged():
+  cache = tb.FoldKVCache.create(1, 2, 1, 8, max_len=4, page_size=16,
+                                dtype=torch.float32, device="cpu")
+  cache.append(torch.randn(1, 3, 1, 8), torch.randn(1, 3, 1, 8))
+  with pytest.raises(ValueError, match="max_len"):
+    cache.append(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8))
+  assert cache.lengths.tolist() == [3]
+  cache.append(torch.randn(1, 1, 8), torch.randn(1, 1, 8))  # usable again
+  assert cache.lengths.tolist() == [4]
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_varlen_sinks_softcap_and_compile():
+  torch.manual_seed(8)
+  cu = torch.tensor([0, 100, 356, 400], dtype=torch.int32, device="cuda")
+  q = torch.randn(400, 8, 64, device="cuda", dtype=torch.bfloat16,
+                  requires_grad=True)
+  k = torch.randn(400, 2, 64, device="cuda", dtype=torch.bfloat16,
+                  requires_grad=True)
+  v = torch.randn(400, 2, 64, device="cuda", dtype=torch.bfloat16,
+                  requires_grad=True)
+  sinks = torch.randn(8, device="cuda", requires_grad=True)
+  out = tb.fold_attn_varlen_func(q, k, v, cu, cu, 256, 256, causal=True,
+                                 sinks=sinks, softcap=20.0)
+  ref = tb.fold_attn_varlen_func(q, k, v, cu, cu, 256, 256, causal=True,
+                                 sinks=sinks, softcap=20.0, backend="xla")
+  _close(out, ref, 3e-2)
+  g = torch.randn_like(out)
+  for a, b in zip(_grads(out, (q, k, v, sinks), g),
+                  _grads(ref, (q, k, v, sinks), g)):
+    _close(a, b, 0.1)
+  block = _Block(dim=256, heads=4, kv_heads=2).cuda()
+  x = torch.randn(2, 128, 256, device="cuda")
+  loss = torch.compile(block, fullgraph=True)(x)
+  loss.backward()
+  torch.testing.assert_close(loss, block(x), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_kvcache_decode_matches_dense():
+  torch.manual_seed(9)
+  hq, hkv, d = 8, 2, 128
+  cache = tb.FoldKVCache.create(2, hq, hkv, d, max_len=1024, page_size=64,
+                                dtype=torch.bfloat16, device="cuda")
+  cu = torch.tensor([0, 300, 500], dtype=torch.int32, device="cuda")
+  mk = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16)
+  q, k, v = mk(500, hq, d), mk(500, hkv, d), mk(500, hkv, d)
+  cache.prefill(q, k, v, cu, max_seqlen=300)
+  qs, ks, vs = mk(2, hq, d), mk(2, hkv, d), mk(2, hkv, d)
+  out = tb.fold_attn_with_kvcache(qs, cache, ks, vs)
+  for i, (a, b) in enumerate(((0, 300), (300, 500))):
+    kk = torch.cat([k[a:b], ks[i:i + 1]])[None]
+    vv = torch.cat([v[a:b], vs[i:i + 1]])[None]
+    ref = tb.fold_attn_func(qs[None, i:i + 1], kk, vv, causal=True)
+    _close(out[i], ref[0, 0], 2e-2)

@@ -5,6 +5,8 @@
     out = torch_bridge.fold_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk)
     torch_bridge.hf.register()               # attn_implementation="fold"
     torch_bridge.optimize_deberta(model)     # HF DeBERTa-v2/v3, in place
+    cache = torch_bridge.FoldKVCache.create(b, hq, hkv, d, max_len)   # decode
+    out = torch_bridge.fold_attn_with_kvcache(q, cache, k_new, v_new)
 
 GPU memory: importing this package sets XLA_PYTHON_CLIENT_PREALLOCATE=false
 (unless XLA_PYTHON_CLIENT_PREALLOCATE, XLA_PYTHON_CLIENT_MEM_FRACTION or
@@ -32,9 +34,12 @@ from torch_bridge.attention import (fold_attn_func,  # noqa: E402
 from torch_bridge import deberta  # noqa: E402
 from torch_bridge.deberta import (disentangled_attention,  # noqa: E402
                                   optimize_deberta)
+from torch_bridge.kvcache import (FoldKVCache,  # noqa: E402
+                                  fold_attn_with_kvcache)
 
 __all__ = ["fold_attn_func", "fold_attn_varlen_func", "resolve_backend",
-           "disentangled_attention", "optimize_deberta", "deberta", "hf"]
+           "disentangled_attention", "optimize_deberta", "deberta",
+           "FoldKVCache", "fold_attn_with_kvcache", "hf"]
 
 
 def __getattr__(name):
