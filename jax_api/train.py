@@ -1,0 +1,537 @@
+"""`python -m jax_api.train`: a tiny decoder LM on foldax attention, end to end.
+
+  1. trains a character-level decoder LM (`TinyLM`: `DecoderAttention` blocks
+     with GQA and RoPE) with a `jax.jit`-compiled step (optax AdamW) on the
+     text the package generates (`jax_api._corpus`), with a progress bar
+     showing loss and tokens/s;
+  2. generates a short sample through the paged KV cache (`FoldKVCache`:
+     prefill the prompt, then one token per step, all in one jit);
+  3. re-runs a few training steps twice from the same initialisation and
+     checks that every gradient and the final parameters are bitwise
+     identical, printing the verdict (exit status 1 if not).
+
+    python -m jax_api.train                       # CPU: ~1 minute
+    python -m jax_api.train --steps 500 --size medium
+    python -m jax_api.train --backend interpret --size tiny --steps 20
+    python -m jax_api.train --compare             # tokens/s: fold vs jax.nn
+
+Defaults: `--size auto` is "small" on CPU and "large" on an NVIDIA GPU;
+`--backend auto` is the XLA path on CPU and the Pallas (Triton) kernels on a
+GPU of compute capability 8.0+ (bfloat16 compute there, float32 on CPU).
+`--compare` then times the same model with `jax.nn.dot_product_attention`
+(XLA, and cuDNN on a GPU) in place of foldax attention.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import math
+import sys
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import linen as nn
+
+from jax_api._backend import _gpu_capability, resolve_backend
+from jax_api._corpus import CharTokenizer, corpus_text
+from jax_api.flax.decoder import DecoderAttention
+from jax_api.kvcache import FoldKVCache
+
+__all__ = ["LMConfig", "SIZES", "TinyLM", "init_caches", "make_train_step",
+           "batches", "train", "generate", "check_determinism",
+           "compare_attention", "init_params", "main"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LMConfig:
+  vocab_size: int
+  d_model: int = 128
+  num_layers: int = 2
+  num_heads: int = 4
+  num_kv_heads: int = 2
+  mlp_mult: int = 4
+  sliding_window: int | None = None
+  use_sinks: bool = False
+  softcap: float = 0.0
+  dtype: str = "float32"
+  backend: str = "auto"
+  impl: str = "fold"
+
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.num_heads
+
+
+# name: model shape and the run's defaults (seq_len, batch, steps, lr).
+SIZES: dict[str, dict[str, Any]] = {
+    "tiny": dict(d_model=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                 seq_len=32, batch=4, steps=30, lr=3e-3),
+    "small": dict(d_model=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                  seq_len=128, batch=16, steps=200, lr=3e-3),
+    "medium": dict(d_model=256, num_layers=4, num_heads=4, num_kv_heads=2,
+                   seq_len=256, batch=16, steps=500, lr=2e-3),
+    "large": dict(d_model=1024, num_layers=8, num_heads=8, num_kv_heads=2,
+                  seq_len=2048, batch=16, steps=600, lr=6e-4),
+}
+_MODEL_KEYS = ("d_model", "num_layers", "num_heads", "num_kv_heads")
+
+
+# ----------------------------------------------------------------- model ----
+
+
+class Block(nn.Module):
+  cfg: LMConfig
+
+  def setup(self):
+    c = self.cfg
+    dt = jnp.dtype(c.dtype)
+    self.ln1 = nn.RMSNorm(dtype=dt)
+    self.attn = DecoderAttention(
+        num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
+        sliding_window=c.sliding_window, use_sinks=c.use_sinks,
+        softcap=c.softcap, use_bias=False, dtype=dt, backend=c.backend,
+        impl=c.impl)
+    self.ln2 = nn.RMSNorm(dtype=dt)
+    self.mlp_in = nn.Dense(c.mlp_mult * c.d_model, use_bias=False, dtype=dt)
+    self.mlp_out = nn.Dense(c.d_model, use_bias=False, dtype=dt)
+
+  def _mlp(self, x):
+    return x + self.mlp_out(nn.gelu(self.mlp_in(self.ln2(x))))
+
+  def __call__(self, x, segment_ids=None):
+    return self._mlp(x + self.attn(self.ln1(x), segment_ids=segment_ids))
+
+  def prefill(self, x, cache, lengths=None):
+    h, cache = self.attn.prefill(self.ln1(x), cache, lengths)
+    return self._mlp(x + h), cache
+
+  def decode_step(self, x, cache):
+    h, cache = self.attn.decode_step(self.ln1(x), cache)
+    return self._mlp(x + h), cache
+
+
+class TinyLM(nn.Module):
+  """Character-level decoder LM: embed -> blocks -> RMSNorm -> tied logits.
+
+  `__call__(tokens [b, t])` -> float32 logits [b, t, vocab] (causal);
+  `prefill(tokens, caches, lengths=None)` -> (logits, caches);
+  `decode_step(token [b], caches)` -> (logits [b, vocab], caches), with
+  `caches` from `init_caches` (one FoldKVCache per layer).
+  """
+
+  cfg: LMConfig
+
+  def setup(self):
+    c = self.cfg
+    self.embed = nn.Embed(c.vocab_size, c.d_model,
+                          embedding_init=nn.initializers.normal(0.02))
+    self.blocks = [Block(c) for _ in range(c.num_layers)]
+    self.norm = nn.RMSNorm(dtype=jnp.dtype(c.dtype))
+
+  def _logits(self, h):
+    return self.embed.attend(self.norm(h).astype(jnp.float32))
+
+  def __call__(self, tokens, segment_ids=None):
+    h = self.embed(tokens).astype(self.cfg.dtype)
+    for blk in self.blocks:
+      h = blk(h, segment_ids)
+    return self._logits(h)
+
+  def prefill(self, tokens, caches, lengths=None):
+    h = self.embed(tokens).astype(self.cfg.dtype)
+    new = []
+    for blk, cache in zip(self.blocks, caches):
+      h, cache = blk.prefill(h, cache, lengths)
+      new.append(cache)
+    return self._logits(h), tuple(new)
+
+  def decode_step(self, token, caches):
+    h = self.embed(token).astype(self.cfg.dtype)
+    new = []
+    for blk, cache in zip(self.blocks, caches):
+      h, cache = blk.decode_step(h, cache)
+      new.append(cache)
+    return self._logits(h), tuple(new)
+
+
+def init_caches(cfg: LMConfig, batch: int, max_len: int,
+                page_size: int | None = None) -> tuple[FoldKVCache, ...]:
+  """One empty FoldKVCache per layer, in the model's compute dtype."""
+  attn = DecoderAttention(num_heads=cfg.num_heads,
+                          num_kv_heads=cfg.num_kv_heads)
+  return tuple(attn.init_cache(batch, max_len, cfg.d_model,
+                               dtype=jnp.dtype(cfg.dtype),
+                               page_size=page_size)
+               for _ in range(cfg.num_layers))
+
+
+# ---------------------------------------------------------------- training --
+
+
+def batches(data: np.ndarray, seq_len: int, batch: int, seed: int = 0):
+  """Endless (inputs, targets) int32 [batch, seq_len] at seeded offsets."""
+  rng = np.random.default_rng(seed)
+  hi = len(data) - seq_len - 1
+  while True:
+    off = rng.integers(0, hi, size=batch)
+    idx = off[:, None] + np.arange(seq_len + 1)[None, :]
+    chunk = data[idx]
+    yield chunk[:, :-1], chunk[:, 1:]
+
+
+def make_optimizer(lr: float, steps: int):
+  sched = optax.warmup_cosine_decay_schedule(
+      0.0, lr, warmup_steps=max(1, min(50, steps // 10)),
+      decay_steps=max(2, steps), end_value=lr * 0.1)
+  return optax.chain(optax.clip_by_global_norm(1.0),
+                     optax.adamw(sched, b1=0.9, b2=0.99, weight_decay=0.01))
+
+
+def make_train_step(model: TinyLM, tx):
+  """jit(params, opt_state, x, y) -> (params, opt_state, loss, grads);
+  params and opt_state are donated. The determinism check runs this same
+  step (the executable that trains is the one checked)."""
+
+  def loss_fn(params, x, y):
+    logits = model.apply(params, x)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def step(params, opt_state, x, y):
+    loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    return params, opt_state, loss, grads
+
+  return step
+
+
+@functools.cache
+def _setup(cfg: LMConfig, lr: float, steps: int):
+  """(model, optimizer, compiled step) per configuration: repeated runs
+  (the determinism re-run, tests) reuse one compilation."""
+  model = TinyLM(cfg)
+  tx = make_optimizer(lr, steps)
+  return model, tx, make_train_step(model, tx)
+
+
+@functools.cache
+def _jit_init(cfg: LMConfig):
+  return jax.jit(TinyLM(cfg).init)
+
+
+def init_params(model: TinyLM, seq_len: int, seed: int = 0):
+  """Parameters of `model` (one compiled init per config)."""
+  x = jnp.zeros((1, seq_len), jnp.int32)
+  return _jit_init(model.cfg)(jax.random.key(seed), x)
+
+
+class _Progress:
+  """A plain-text progress bar: \\r updates on a terminal, lines otherwise."""
+
+  def __init__(self, total: int, stream=None, width: int = 24):
+    self.total, self.width = total, width
+    self.stream = stream or sys.stderr
+    self.tty = getattr(self.stream, "isatty", lambda: False)()
+    self._last_line = -1
+
+  def update(self, step: int, loss: float, tok_s: float | None):
+    frac = step / self.total
+    fill = int(frac * self.width)
+    rate = "   -- tok/s" if tok_s is None else f"{tok_s:>9,.0f} tok/s"
+    msg = (f"[{'#' * fill}{'.' * (self.width - fill)}] {step:>5}/{self.total}"
+           f"  loss {loss:6.3f}  {rate}")
+    if self.tty:
+      self.stream.write("\r" + msg)
+      if step == self.total:
+        self.stream.write("\n")
+    else:
+      decile = int(frac * 10)
+      if decile != self._last_line or step == self.total:
+        self._last_line = decile
+        self.stream.write(msg + "\n")
+    self.stream.flush()
+
+
+@dataclasses.dataclass
+class TrainResult:
+  params: Any
+  losses: list[float]
+  tokens_per_s: float
+  compile_s: float
+  train_s: float
+
+
+def train(cfg: LMConfig, data: np.ndarray, *, steps: int, seq_len: int,
+          batch: int, lr: float, seed: int = 0, progress: bool = True,
+          log_every: int = 10, stream=None) -> TrainResult:
+  """Trains TinyLM(cfg) for `steps` steps; returns params and losses."""
+  model, tx, step_fn = _setup(cfg, lr, steps)
+  params = init_params(model, seq_len, seed)
+  opt_state = tx.init(params)
+  it = batches(data, seq_len, batch, seed)
+  bar = _Progress(steps, stream) if progress else None
+  losses: list[float] = []
+  pending = []
+  t_start = time.perf_counter()
+  t_first = None
+  compile_s = 0.0
+  for i in range(1, steps + 1):
+    x, y = next(it)
+    params, opt_state, loss, _ = step_fn(params, opt_state, x, y)
+    pending.append(loss)
+    if i == 1:
+      loss.block_until_ready()
+      t_first = time.perf_counter()
+      compile_s = t_first - t_start
+    if i % log_every == 0 or i == steps or i == 1:
+      losses.extend(float(v) for v in pending)  # one sync per log interval
+      pending = []
+      now = time.perf_counter()
+      tok_s = (None if i == 1 else
+               (i - 1) * batch * seq_len / max(now - t_first, 1e-9))
+      if bar:
+        bar.update(i, losses[-1], tok_s)
+  jax.block_until_ready(params)
+  end = time.perf_counter()
+  n_timed = max(steps - 1, 1)
+  tok_s = n_timed * batch * seq_len / max(end - t_first, 1e-9)
+  return TrainResult(params, losses, tok_s, compile_s, end - t_first)
+
+
+# -------------------------------------------------------------- generation --
+
+
+def generate(cfg: LMConfig, params, prompt: np.ndarray, n_new: int, *,
+             seed: int = 0, temperature: float = 0.8,
+             page_size: int | None = None) -> np.ndarray:
+  """Samples n_new tokens after `prompt` (int [batch, t]) through the KV
+  cache: one prefill, then one token per step, all in one jit. temperature
+  0 is greedy. Returns int32 [batch, n_new]."""
+  model = TinyLM(cfg)
+  prompt = jnp.asarray(prompt, jnp.int32)
+  b, t = prompt.shape
+  caches = init_caches(cfg, b, t + n_new, page_size)
+
+  def pick(logits, key):
+    if temperature <= 0:
+      return jnp.argmax(logits, -1).astype(jnp.int32)
+    return jax.random.categorical(key, logits / temperature).astype(jnp.int32)
+
+  @jax.jit
+  def run(params, prompt, caches, key):
+    logits, caches = model.apply(params, prompt, caches, method="prefill")
+    keys = jax.random.split(key, n_new)
+    tok = pick(logits[:, -1], keys[0])
+
+    def body(carry, k):
+      tok, caches = carry
+      logits, caches = model.apply(params, tok, caches, method="decode_step")
+      nxt = pick(logits, k)
+      return (nxt, caches), tok
+
+    (last, caches), toks = jax.lax.scan(body, (tok, caches), keys[1:])
+    toks = jnp.concatenate([toks, last[None]], 0).T
+    return toks, caches
+
+  toks, caches = run(params, prompt, caches, jax.random.key(seed))
+  for c in caches:
+    c.check()
+  return np.asarray(toks)
+
+
+# ------------------------------------------------------------- determinism --
+
+
+def _same_bits(a, b) -> bool:
+  """Bitwise equality of two pytrees of arrays (compared on device)."""
+  def eq(x, y):
+    x, y = jnp.asarray(x), jnp.asarray(y)
+    if x.shape != y.shape or x.dtype != y.dtype:
+      return jnp.asarray(False)
+    if jnp.issubdtype(x.dtype, jnp.floating):
+      u = jnp.dtype(f"uint{x.dtype.itemsize * 8}")
+      x = jax.lax.bitcast_convert_type(x, u)
+      y = jax.lax.bitcast_convert_type(y, u)
+    return jnp.array_equal(x, y)
+  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+  return len(la) == len(lb) and all(bool(eq(x, y)) for x, y in zip(la, lb))
+
+
+def check_determinism(cfg: LMConfig, data: np.ndarray, *, steps: int,
+                      seq_len: int, batch: int, lr: float, seed: int = 0,
+                      total_steps: int | None = None) -> tuple[bool, str]:
+  """Runs `steps` training steps twice from the same init and data; returns
+  (every gradient and the final params bitwise equal, a one-line detail).
+  `total_steps` sets the optimizer schedule (default `steps`); pass the
+  training run's to reuse its compiled step."""
+  model, tx, step_fn = _setup(cfg, lr, total_steps or steps)
+  runs = []
+  for _ in range(2):
+    params = init_params(model, seq_len, seed)
+    opt_state = tx.init(params)
+    it = batches(data, seq_len, batch, seed)
+    grads_all = []
+    for _ in range(steps):
+      x, y = next(it)
+      params, opt_state, _, grads = step_fn(params, opt_state, x, y)
+      grads_all.append(grads)
+    runs.append((params, grads_all))
+  (p0, g0), (p1, g1) = runs
+  bad = [i for i, (a, b) in enumerate(zip(g0, g1)) if not _same_bits(a, b)]
+  same_p = _same_bits(p0, p1)
+  n_leaves = len(jax.tree.leaves(p0))
+  if not bad and same_p:
+    return True, (f"{steps} steps x 2 runs: all gradients ({n_leaves} arrays "
+                  "per step) and final parameters bitwise identical")
+  what = []
+  if bad:
+    what.append(f"gradients differ at step(s) {[i + 1 for i in bad]}")
+  if not same_p:
+    what.append("final parameters differ")
+  return False, "; ".join(what)
+
+
+# --------------------------------------------------------------- comparison --
+
+
+def compare_attention(cfg: LMConfig, data, *, seq_len, batch, lr,
+                      steps: int = 20, stream=None) -> list[tuple[str, Any]]:
+  """tokens/s of training steps with foldax vs jax.nn.dot_product_attention
+  (XLA; cuDNN on a GPU) on the same model (no sinks/softcap/window there)."""
+  stream = stream or sys.stdout
+  impls = ["fold", "jax:xla"]
+  if _gpu_capability() is not None:
+    impls.append("jax:cudnn")
+  rows = []
+  for impl in impls:
+    c = dataclasses.replace(cfg, impl=impl, use_sinks=False, softcap=0.0,
+                            sliding_window=None)
+    try:
+      model, tx, step_fn = _setup(c, lr, steps)
+      params = init_params(model, seq_len)
+      opt_state = tx.init(params)
+      it = batches(data, seq_len, batch)
+      x, y = next(it)
+      params, opt_state, loss, _ = step_fn(params, opt_state, x, y)
+      loss.block_until_ready()
+      t0 = time.perf_counter()
+      for _ in range(steps):
+        x, y = next(it)
+        params, opt_state, loss, _ = step_fn(params, opt_state, x, y)
+      loss.block_until_ready()
+      rows.append((impl, steps * batch * seq_len / (time.perf_counter() - t0)))
+    except Exception as e:  # report and go on (e.g. cuDNN unavailable)
+      rows.append((impl, f"failed: {type(e).__name__}: {str(e)[:120]}"))
+    stream.write(f"  {impl:<10} {rows[-1][1] if isinstance(rows[-1][1], str) else f'{rows[-1][1]:,.0f} tok/s'}\n")
+    stream.flush()
+  return rows
+
+
+# --------------------------------------------------------------------- main --
+
+
+def _parse(argv):
+  p = argparse.ArgumentParser(
+      prog="python -m jax_api.train",
+      description="Train a tiny decoder LM on foldax attention, sample from "
+      "it through the KV cache, and check bitwise-deterministic training.")
+  p.add_argument("--size", default="auto", choices=["auto", *SIZES],
+                 help="model/run preset (auto: small on CPU, large on GPU)")
+  p.add_argument("--steps", type=int, default=None)
+  p.add_argument("--backend", default="auto",
+                 choices=["auto", "pallas", "interpret", "xla"])
+  p.add_argument("--seq-len", type=int, default=None)
+  p.add_argument("--batch", type=int, default=None)
+  p.add_argument("--lr", type=float, default=None)
+  p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                 help="compute dtype (default: bfloat16 on GPU, else float32)")
+  p.add_argument("--window", type=int, default=None,
+                 help="sliding window (keys i-w..i)")
+  p.add_argument("--sinks", action="store_true", help="learned sinks")
+  p.add_argument("--softcap", type=float, default=0.0)
+  p.add_argument("--gen-tokens", type=int, default=None,
+                 help="tokens to sample (default: fill the training "
+                 "context, at most 200)")
+  p.add_argument("--temperature", type=float, default=0.5,
+                 help="sampling temperature (0: greedy)")
+  p.add_argument("--det-steps", type=int, default=3,
+                 help="steps of the determinism re-run (0 skips it)")
+  p.add_argument("--compare", action="store_true",
+                 help="also time foldax vs jax.nn.dot_product_attention")
+  p.add_argument("--seed", type=int, default=0)
+  return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  args = _parse(argv)
+  t0 = time.perf_counter()
+  on_gpu = _gpu_capability() is not None
+  size = args.size if args.size != "auto" else ("large" if on_gpu else "small")
+  preset = SIZES[size]
+  steps = args.steps if args.steps is not None else preset["steps"]
+  seq_len = args.seq_len or preset["seq_len"]
+  batch = args.batch or preset["batch"]
+  lr = args.lr or preset["lr"]
+  backend = resolve_backend(args.backend, kernel="jax_api.train")
+  dtype = args.dtype or ("bfloat16" if backend == "pallas" else "float32")
+  text = corpus_text()
+  tok = CharTokenizer(text)
+  data = tok.encode(text)
+  cfg = LMConfig(vocab_size=tok.vocab_size,
+                 **{k: preset[k] for k in _MODEL_KEYS},
+                 sliding_window=args.window, use_sinks=args.sinks,
+                 softcap=args.softcap, dtype=dtype, backend=backend)
+  n_params = None
+  dev = jax.devices()[0]
+  print(f"foldax train: {dev.platform} ({dev.device_kind}), backend "
+        f"{backend}, size {size} (d_model {cfg.d_model}, {cfg.num_layers} "
+        f"layers, {cfg.num_heads} heads / {cfg.num_kv_heads} kv heads), "
+        f"{dtype}, seq_len {seq_len}, batch {batch}, {steps} steps, corpus "
+        f"{len(text):,} chars (vocab {tok.vocab_size})", flush=True)
+  res = train(cfg, data, steps=steps, seq_len=seq_len, batch=batch, lr=lr,
+              seed=args.seed)
+  n_params = sum(x.size for x in jax.tree.leaves(res.params))
+  w = max(1, min(10, len(res.losses) // 4))
+  first = float(np.mean(res.losses[:w]))
+  last = float(np.mean(res.losses[-w:]))
+  print(f"trained {n_params:,} params: loss {first:.3f} -> {last:.3f} "
+        f"(uniform: {math.log(tok.vocab_size):.3f}); {res.tokens_per_s:,.0f} "
+        f"tokens/s after a {res.compile_s:.1f} s first step (compile)",
+        flush=True)
+
+  prompt_text = "FABLE 7: "
+  prompt = tok.encode(prompt_text)[None]
+  n_gen = args.gen_tokens
+  if n_gen is None:  # RoPE positions past seq_len were never trained
+    n_gen = max(1, min(200, seq_len - prompt.shape[1]))
+  tg = time.perf_counter()
+  sample = generate(cfg, res.params, prompt, n_gen, seed=args.seed,
+                    temperature=args.temperature)
+  print(f"sample ({n_gen} tokens through the KV cache, "
+        f"{time.perf_counter() - tg:.1f} s incl. compile):")
+  print("  " + (prompt_text + tok.decode(sample[0])).replace("\n", "\n  "),
+        flush=True)
+
+  ok = True
+  if args.det_steps > 0:
+    ok, detail = check_determinism(cfg, data, steps=args.det_steps,
+                                   seq_len=seq_len, batch=batch, lr=lr,
+                                   seed=args.seed, total_steps=steps)
+    print(f"determinism: {'PASS' if ok else 'FAIL'}: {detail}")
+  if args.compare:
+    print(f"attention comparison (training tokens/s, seq_len {seq_len}, "
+          f"batch {batch}):")
+    compare_attention(cfg, data, seq_len=seq_len, batch=batch, lr=lr)
+  print(f"total {time.perf_counter() - t0:.1f} s", flush=True)
+  return 0 if ok else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())
