@@ -278,3 +278,15 @@ def test_extra_batch_dims_and_dtype_promotion():
   ref = jax.jit(nnx.dot_product_attention)(xf, xf, xf, mask=mask)
   assert out.dtype == jnp.float32 and out.shape == x.shape
   _close(out, ref, 2e-5)
+
+
+def test_cross_attention_with_key_padding():
+  ref, ours = _nnx_pair(functools.partial(attention_fn, backend="xla"))
+  xq, xkv = _x(8)[:, :4], _x(9)
+  kv_valid = jnp.arange(T)[None] < jnp.asarray(LENS)[:, None]
+  mask = nnx.make_attention_mask(jnp.ones((B, 4), bool), kv_valid)
+  f = nnx.jit(lambda m, q, kv, mask: m(q, kv, mask=mask))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", FallbackWarning)
+    got = f(ours, xq, xkv, mask)
+  _close(got, f(ref, xq, xkv, mask), 2e-5)

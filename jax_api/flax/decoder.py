@@ -336,7 +336,9 @@ class DecoderAttention(nn.Module):
     """An empty FoldKVCache for this module (no params needed; `features`
     is the input width, used when head_dim/qkv_features are not set).
     dtype defaults to the module dtype or float32 (it must equal the
-    compute dtype of q). Extra keywords go to `FoldKVCache.create`."""
+    compute dtype of q). page_size defaults to max_len rounded up to a power
+    of two in [16, 256] (one page for short caches). Extra keywords go to
+    `FoldKVCache.create`."""
     spec = self._spec(features)
     dt = dtype or self.dtype or jnp.float32
     return spec.make_cache(batch, max_len, dtype=dt, page_size=page_size, **kw)
@@ -434,8 +436,9 @@ class DecoderAttentionNNX(nnx.Module):
 
   def init_cache(self, batch: int, max_len: int, *, dtype=None,
                  page_size: int | None = None, store: bool = False, **kw):
-    """An empty FoldKVCache for this module; with store=True it is kept as
-    `self.cache` (an `nnx.Cache`) for `__call__(x, decode=True)`."""
+    """An empty FoldKVCache for this module (dtype and page_size as the
+    linen `init_cache`); with store=True it is kept as `self.cache` (an
+    `nnx.Cache`) for `__call__(x, decode=True)`."""
     dt = dtype or self.dtype or jnp.float32
     cache = self.spec.make_cache(batch, max_len, dtype=dt,
                                  page_size=page_size, **kw)
