@@ -268,10 +268,14 @@ function, `attn_implementation="fold"` for Hugging Face decoder models, and
 `torch_bridge.optimize_deberta(model)` for DeBERTa-v2/v3. Each section checks
 what this installation provides and says so when a part is not there yet.""") + [
     code('''
-import importlib.util, warnings
+import importlib, importlib.util, warnings
 warnings.filterwarnings("ignore", message="IProgress not found")  # tqdm in a bare kernel
-import torch_bridge   # before JAX allocates GPU memory: the bridge configures JAX's allocator
-import torch
+try:
+    import torch_bridge   # before JAX allocates GPU memory: the bridge configures JAX's allocator
+    import torch
+except ImportError as e:  # torch is an extra: pip install "foldax[torch]"
+    print("PyTorch or torch_bridge is not installed:", e)
+    torch = None
 
 def have(mod, attr=None):
     try:
@@ -281,10 +285,11 @@ def have(mod, attr=None):
     except ImportError:
         return False
 
-HAVE_FUNC = have("torch_bridge", "fold_attn_func")
-HAVE_HF = have("torch_bridge.hf", "register") and have("transformers")
-HAVE_DEBERTA = have("torch_bridge", "optimize_deberta") and have("transformers")
-print(f"torch {torch.__version__}")
+HAVE_FUNC = torch is not None and have("torch_bridge", "fold_attn_func")
+HAVE_HF = torch is not None and have("torch_bridge.hf", "register") and have("transformers")
+HAVE_DEBERTA = torch is not None and have("torch_bridge", "optimize_deberta") and have("transformers")
+if torch is not None:
+    print(f"torch {torch.__version__}")
 print(f"torch_bridge.fold_attn_func:       {'yes' if HAVE_FUNC else 'not available yet'}")
 print(f'attn_implementation="fold" (HF):  {"yes" if HAVE_HF else "not available yet"}')
 print(f"torch_bridge.optimize_deberta:     {'yes' if HAVE_DEBERTA else 'not available yet'}")
@@ -292,8 +297,8 @@ print(f"torch_bridge.optimize_deberta:     {'yes' if HAVE_DEBERTA else 'not avai
     md("## `torch_bridge.fold_attn_func`\nFlashAttention's layout `[batch, "
        "seq, heads, head_dim]`; gradients flow back to torch."),
     code('''
-device = "cuda" if torch.cuda.is_available() else "cpu"
 if HAVE_FUNC:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     B, S, H, D = (2, 128, 4, 64) if SMALL else (4, 4096, 16, 128)
     dt = torch.float32 if device == "cpu" else torch.bfloat16
     g = torch.Generator(device=device).manual_seed(0)
