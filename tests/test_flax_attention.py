@@ -67,22 +67,23 @@ def test_mask_analysis_recognises_flax_masks():
   expect = {"causal": (True, False), "padded": (False, True),
             "causal_padded": (True, False), "key_padding": (False, True),
             "segment_causal": (True, False)}
+  analyse = jax.jit(mask_to_kernel_args)
   for name, (ok_c, ok_p) in expect.items():
     m = jnp.broadcast_to(ms[name][0], (B, 1, T, T))[:, 0]
-    _, _, c, p = jax.jit(mask_to_kernel_args)(m)
+    _, _, c, p = analyse(m)
     assert (bool(c), bool(p)) == (ok_c, ok_p), name
   # Block-diagonal segments with non-contiguous ids, and a decode mask.
   seg = jnp.array([[3, 1, 3, 1, 2, 2, 3, 1]] * B)
   m = nn.make_attention_mask(seg, seg, jnp.equal)[:, 0]
-  assert bool(mask_to_kernel_args(m)[3])
+  assert bool(analyse(m)[3])
   dec = jnp.broadcast_to(jnp.arange(T) <= 4, (B, 1, T))
-  _, _, c, p = mask_to_kernel_args(dec)
+  _, _, c, p = analyse(dec)
   assert bool(c) and bool(p)
   # Not expressible: a random mask, a top-left causal mask with q_len < kv_len.
   arb = jax.random.bernoulli(jax.random.key(3), 0.6, (B, T, T))
-  assert not any(map(bool, mask_to_kernel_args(arb)[2:]))
+  assert not any(map(bool, analyse(arb)[2:]))
   tl = jnp.broadcast_to(jnp.tril(jnp.ones((4, T), bool)), (B, 4, T))
-  assert not any(map(bool, mask_to_kernel_args(tl)[2:]))
+  assert not any(map(bool, analyse(tl)[2:]))
 
 
 # --------------------------------------------------------------- nnx ----
