@@ -18,6 +18,8 @@
 #     version is not recorded, and an older one can break pydantic's import).
 #   tensorboardx needs numpy, packaging, protobuf (on the image).
 #   fastflash-attention 0.2.0 needs only torch and triton (on the image).
+#   disentangled-flash 1.1.1 and flashdeberta 0.0.8 (DeBERTa peers) need
+#   torch, triton, einops (on the image).
 # Nothing here is the `dlpack` PyPI package nor jax-triton.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -36,6 +38,8 @@ PKGS=(
   typing-extensions==4.16.0
   tensorboardx==2.6.5
   fastflash-attention==0.2.0
+  disentangled-flash==1.1.1
+  flashdeberta==0.0.8
 )
 
 mkdir -p .whl   # ignored by the repository's .gitignore (/.whl/)
