@@ -840,11 +840,341 @@ def write_table(data: dict, out_dir: Path, figures: list[Path]) -> Path:
       L.extend(decode_table(suite, md))
       if any(r.get("mode") in MODES for r in suite.get("records", [])):
         L.extend(suite_table(name, suite, md))
+    elif name == "bridge":
+      L.extend(bridge_table(suite, md))
     else:
       L.extend(suite_table(name, suite, md))
   p = out_dir / "table.md"
   p.write_text("\n".join(L).rstrip() + "\n")
   return p
+
+
+# ----------------------------------------------------------------------------
+# Bridge suite (benchmarks.bridge): overhead, ratio, Llama training step
+# ----------------------------------------------------------------------------
+def _bridge_attn(records: list[dict]) -> dict:
+  """{(S, mode): {impl: record}} of the bridge suite's attention records."""
+  out: dict = {}
+  for r in records:
+    if r.get("mode") in MODES and r.get("impl") and r.get("S") is not None:
+      out.setdefault((r["S"], r["mode"]), {})[r["impl"]] = r
+  return out
+
+
+def _bridge_llama(records: list[dict]) -> dict:
+  return {r["impl"]: r for r in records
+          if r.get("model") == "llama" and r.get("mode") == "train_step"}
+
+
+BRIDGE_TARGETS = {
+    "overhead_fwd": "overhead fwd ≤ 25 µs",
+    "overhead_fwd_bwd": "overhead fwd+bwd ≤ 25 µs",
+    "ratio_fwd": "long fwd ≤ 1.03×",
+    "ratio_fwd_bwd": "long fwd+bwd ≤ 1.03×",
+    "llama_train_step": "Llama step ≤ sdpa",
+    "llama_fold_grads_bitwise": "fold grads bitwise"}
+
+
+def _met_word(t: dict | None) -> str:
+  if not t or t.get("met") is None:
+    return "not measured"
+  return "met" if t["met"] else "NOT met"
+
+
+def bridge_figure(records: list[dict], md: dict, smd: dict, path: Path, *,
+                  sources=()) -> Path | None:
+  """Three panels: the bridge's per-call overhead at the small shape (µs,
+  the ≤ 25 µs target), bridge ÷ JAX at the long shape (the ≤ 1.03 target),
+  and the Llama training step with attn_implementation fold vs sdpa."""
+  attn = _bridge_attn(records)
+  llama = _bridge_llama(records)
+  brs = {k: v["bridge"] for k, v in attn.items()
+         if ok(v.get("bridge")) and v["bridge"].get("overhead_us") is not None}
+  if not brs and not any(ok(r) for r in llama.values()):
+    return None
+  plt = _plt()
+  targets = smd.get("targets") or {}
+  seqs = sorted({s for s, _ in brs})
+  small = seqs[0] if seqs else None
+  large = seqs[-1] if len(seqs) > 1 else None
+  fig, axes = plt.subplots(1, 3, figsize=(16.5, 5.6),
+                           gridspec_kw=dict(width_ratios=[1.15, 1, 1]))
+  col_b, col_j = IMPL_COLORS["bridge"], IMPL_COLORS["jax_direct"]
+  modes = [m for m in MODES if any(k[1] == m for k in brs)]
+
+  def shape_of(r):
+    return f"B{r['B']} H{r['Hq']} S{r['S']} D{r['D']} {r.get('dtype', '')}"
+
+  # (a) per-call overhead, µs
+  ax = axes[0]
+  if small is not None:
+    xs = list(range(len(modes)))
+    w = 0.36
+    vals, pvals = [], []
+    for x, m in zip(xs, modes):
+      r = brs.get((small, m))
+      v = r["overhead_us"] if r else 0
+      pv = (r or {}).get("overhead_pipelined_us")
+      vals.append(v)
+      pvals.append(pv)
+      ax.bar(x - w / 2, v, w, color=col_b, label="synchronised per call"
+             if x == 0 else None)
+      ax.text(x - w / 2, max(v, 0), f"{v:.1f} µs", ha="center",
+              va="bottom", fontsize=9, fontweight="bold")
+      if pv is not None:
+        ax.bar(x + w / 2, pv, w, color="white", edgecolor=col_b, hatch="//",
+               label="pipelined (back-to-back)" if x == 0 else None)
+        ax.text(x + w / 2, max(pv, 0), f"{pv:.1f}", ha="center",
+                va="bottom", fontsize=8.5)
+      if r:
+        ax.text(x, -0.015, f"JAX {r['ms'] / r['ratio'] * 1e3:.0f} µs\n"
+                f"bridge {r['ms'] * 1e3:.0f} µs", ha="center", va="top",
+                fontsize=8, color="#555555",
+                transform=ax.get_xaxis_transform())
+    lim = (targets.get("overhead_fwd") or {}).get("limit_us", 25.0)
+    top = max([lim * 1.25] + [v for v in vals + pvals if v is not None])
+    ax.axhline(lim, color="#2ca02c", ls="--", lw=1.4,
+               label=f"target ≤ {lim:g} µs")
+    naive = 213.0
+    if naive <= top * 1.6:
+      ax.axhline(naive, color="#888888", ls=":", lw=1.2,
+                 label="naive DLPack round trip (213 µs)")
+      top = max(top, naive)
+    ax.set_ylim(min(0, min(v for v in vals + pvals if v is not None) * 1.2),
+                top * 1.45)
+    ax.set_xticks(xs)
+    ax.set_xticklabels([MODE_TITLE[m] for m in modes])
+    ax.tick_params(axis="x", pad=27)
+    ax.set_xlim(-0.6, len(modes) - 0.4)
+    ax.set_ylabel("bridge time − JAX time per call (µs)")
+    r0 = brs.get((small, modes[0])) if modes else None
+    ax.set_title("How much does the bridge add per call?\n"
+                 + (shape_of(r0) + " causal" if r0 else ""), fontsize=11)
+    ax.legend(loc="upper left", fontsize=8.5, frameon=False)
+    ax.grid(True, axis="y", alpha=0.3)
+  else:
+    ax.axis("off")
+
+  # (b) bridge / JAX at the long shape
+  ax = axes[1]
+  if large is not None:
+    xs = list(range(len(modes)))
+    w = 0.36
+    vals = []
+    for x, m in zip(xs, modes):
+      r = brs.get((large, m))
+      if not r:
+        continue
+      v, pv = r["ratio"], r.get("ratio_pipelined")
+      vals += [v] + ([pv] if pv is not None else [])
+      ax.bar(x - w / 2, v - 1, w, bottom=1, color=col_b,
+             label="synchronised per call" if x == 0 else None)
+      ax.text(x - w / 2, max(v, 1), f"{v:.3f}", ha="center", va="bottom",
+              fontsize=9, fontweight="bold")
+      if pv is not None:
+        ax.bar(x + w / 2, pv - 1, w, bottom=1, color="white", edgecolor=col_b,
+               hatch="//", label="pipelined" if x == 0 else None)
+        ax.text(x + w / 2, max(pv, 1), f"{pv:.3f}", ha="center", va="bottom",
+                fontsize=8.5)
+      ax.text(x, -0.015, f"JAX {fmt_ms(r['ms'] / r['ratio'])} ms\nbridge "
+              f"{fmt_ms(r['ms'])} ms", ha="center", va="top", fontsize=8,
+              color="#555555", transform=ax.get_xaxis_transform())
+    lim = (targets.get("ratio_fwd") or {}).get("limit", 1.03)
+    ax.axhline(1.0, color="#444444", lw=0.8)
+    ax.axhline(lim, color="#2ca02c", ls="--", lw=1.4,
+               label=f"target ≤ {lim:g}×")
+    hi = max([lim + 0.02] + vals)
+    lo = min([0.98] + vals)
+    pad = (hi - lo) * 0.15
+    ax.set_ylim(lo - pad, hi + 3 * pad)
+    ax.set_xticks(xs)
+    ax.set_xticklabels([MODE_TITLE[m] for m in modes])
+    ax.tick_params(axis="x", pad=27)
+    ax.set_xlim(-0.6, len(modes) - 0.4)
+    ax.set_ylabel("bridge time ÷ JAX time (1 = no cost)")
+    r0 = brs.get((large, modes[0])) if modes else None
+    ax.set_title("Does the bridge cost anything on long sequences?\n"
+                 + (shape_of(r0) + " causal" if r0 else ""), fontsize=11)
+    ax.legend(loc="upper left", fontsize=8.5, frameon=False)
+    ax.grid(True, axis="y", alpha=0.3)
+  else:
+    ax.axis("off")
+
+  # (c) Llama training step
+  ax = axes[2]
+  impls = [i for i in ("fold", "sdpa") if i in llama]
+  if impls:
+    names = {"fold": 'attn_implementation="fold"\n(foldax via torch_bridge)',
+             "sdpa": 'attn_implementation="sdpa"\n'
+                     + ("(torch flash)" if "flash" in str(
+                         llama.get("sdpa", {}).get("sdpa_backend", ""))
+                        else "(torch SDPA)")}
+    ys = list(range(len(impls)))[::-1]
+    top = max([r.get("ms") or 0 for r in llama.values()] + [1e-9])
+    for y, i in zip(ys, impls):
+      r = llama[i]
+      col = IMPL_COLORS["bridge"] if i == "fold" else IMPL_COLORS["torch_sdpa"]
+      rep = r.get("grads_bitwise_repeatable")
+      rep_s = ("gradients bitwise repeatable" if rep else
+               "gradients NOT bitwise repeatable" if rep is False else "")
+      if ok(r):
+        ax.barh(y, r["ms"], height=0.55, color=col)
+        ax.text(r["ms"] + top * 0.02, y + 0.08,
+                f"{fmt_ms(r['ms'])} ms · {r.get('tokens_per_s', 0):,.0f} tok/s",
+                va="bottom", fontsize=8.5)
+        ax.text(r["ms"] + top * 0.02, y - 0.05, rep_s, va="top", fontsize=8.5,
+                color="#2ca02c" if rep else "#d62728")
+      else:
+        ax.text(top * 0.02, y, "error: " + str(r.get("error"))[:60],
+                va="center", fontsize=8, color="#777777")
+    ax.set_yticks(ys)
+    ax.set_yticklabels([names[i] for i in impls], fontsize=8.5)
+    ax.set_ylim(-0.6, len(impls) - 0.4)
+    ax.set_xlim(0, top * 1.9)
+    ax.set_xlabel("training step, median (ms; lower is better)")
+    f = llama.get("fold", {})
+    ratio = f.get("ratio_vs_sdpa")
+    cfgs = (f"Llama h{f.get('hidden')} L{f.get('layers')} "
+            f"H{f.get('Hq')}/KV{f.get('Hkv')} · B{f.get('B')} S{f.get('S')} "
+            f"{f.get('dtype', '')}")
+    ax.set_title("Does a Llama train as fast with fold?\n" + cfgs,
+                 fontsize=11)
+    if ratio:
+      ax.text(0.98, 0.02, f"fold ÷ sdpa = {ratio:.3f}\n(< 1: fold faster)",
+              transform=ax.transAxes, ha="right", va="bottom", fontsize=9,
+              fontweight="bold")
+    ax.grid(True, axis="x", alpha=0.3)
+  else:
+    ax.axis("off")
+
+  summary = [f"{BRIDGE_TARGETS.get(k, k)}: {_met_word(v)}"
+             for k, v in targets.items()]
+  fig.suptitle("foldax from PyTorch (torch_bridge) — " + device_label(md))
+  step = (llama.get("fold") or {}).get("step", "")
+  timer = (llama.get("fold") or {}).get("timer", "")
+  note = ("Targets: " + "; ".join(summary) + ".\n" if summary else "")
+  note += ("Per call: host time from call to synchronised results, median "
+           "over interleaved rounds; JAX = the same jitted functions on JAX "
+           "arrays." + (f" Llama step = {step} ({timer}), median."
+                        if step else "") + "\n" + provenance(md, list(sources)))
+  _footer(fig, note)
+  fig.tight_layout(rect=(0, 0.1, 1, 0.95))
+  fig.savefig(path, dpi=130)
+  plt.close(fig)
+  return path
+
+
+def bridge_table(suite: dict, md: dict) -> list[str]:
+  recs = suite.get("records", [])
+  smd = suite.get("metadata") or {}
+  L: list[str] = []
+  targets = smd.get("targets") or {}
+  if targets:
+    L.append("\n**Targets**\n")
+    L.append("| target | measured | limit | |")
+    L.append("|---|---:|---:|---|")
+    for name, t in targets.items():
+      if "value_us" in t:
+        val = "–" if t["value_us"] is None else f"{t['value_us']:.1f} µs"
+        if t.get("pipelined_us") is not None:
+          val += f" (pipelined {t['pipelined_us']:.1f})"
+        lim = f"≤ {t['limit_us']:g} µs"
+      elif name == "llama_fold_grads_bitwise":
+        val = (f"{t.get('mismatches')} of {t.get('tensors')} gradients "
+               f"differ over {t.get('runs')} runs" if t.get("tensors") else "–")
+        sd = t.get("sdpa_grads_bitwise")
+        if sd is not None:
+          val += f" (sdpa: {'repeatable' if sd else 'not repeatable'})"
+        lim = "bitwise"
+      else:
+        v = t.get("value")
+        val = "–" if v is None else f"{v:.3f}×"
+        if t.get("pipelined") is not None:
+          val += f" (pipelined {t['pipelined']:.3f}×)"
+        lim = f"≤ {t.get('limit', 1):g}×"
+      what = BRIDGE_TARGETS.get(name, name)
+      if t.get("shape"):
+        what += f" ({t['shape']}, {t.get('mode')})"
+      word = _met_word(t)
+      if t.get("met_pipelined") is not None and t["met_pipelined"] != t.get(
+          "met"):
+        word += (" (pipelined: " + ("met" if t["met_pipelined"] else
+                                     "NOT met") + ")")
+      L.append(f"| {what} | {val} | {lim} | {word} |")
+  attn = _bridge_attn(recs)
+  if attn:
+    L.append("\n**Per call** (µs: host time from the call to synchronised "
+             "results, median; pipelined: back-to-back calls)\n")
+    L.append("| shape | mode | implementation | per call (µs) | pipelined "
+             "(µs) | bridge − JAX (µs) | bridge ÷ JAX |")
+    L.append("|---|---|---|---:|---:|---:|---:|")
+    for (S, mode), g in sorted(attn.items()):
+      order = [i for i in ("jax_direct", "bridge", "jax_api", "torch_sdpa")
+               if i in g] + sorted(set(g) - {"jax_direct", "bridge",
+                                             "jax_api", "torch_sdpa"})
+      for i in order:
+        r = g[i]
+        shp = f"B{r['B']} H{r['Hq']} S{S} D{r['D']} {r.get('dtype', '')}"
+        if not ok(r):
+          L.append(f"| {shp} | {mode} | {impl_name(i, md)} | error | | | |")
+          continue
+        ovh = (f"{r['overhead_us']:+.1f}" if r.get("overhead_us") is not None
+               else "–")
+        if r.get("overhead_pipelined_us") is not None:
+          ovh += f" ({r['overhead_pipelined_us']:+.1f})"
+        rat = f"{r['ratio']:.3f}" if r.get("ratio") else "–"
+        if r.get("ratio_pipelined"):
+          rat += f" ({r['ratio_pipelined']:.3f})"
+        pipe = (f"{r['ms_pipelined'] * 1e3:.1f}" if r.get("ms_pipelined")
+                is not None else "–")
+        L.append(f"| {shp} | {mode} | {impl_name(i, md)} | "
+                 f"{r['ms'] * 1e3:.1f} | {pipe} | {ovh} | {rat} |")
+  parts = [r for r in recs if r.get("impl") == "bridge_parts"
+           and r.get("import3_us") is not None]
+  for r in parts:
+    L.append(f"\nComponents at S{r['S']} (host cost, back-to-back): DLPack "
+             f"import of q, k, v {r['import3_us']:.1f} µs, export of out, lse"
+             f" {r['export2_us']:.1f} µs."
+             + (f" Synchronisation floors: a trivial jitted JAX call + "
+                f"block_until_ready {r['jax_trivial_call_us']:.1f} µs, a "
+                f"trivial torch op + torch.cuda.synchronize "
+                f"{r['torch_trivial_op_us']:.1f} µs." if
+                r.get("jax_trivial_call_us") is not None else ""))
+  llama = _bridge_llama(recs)
+  if llama:
+    f = llama.get("fold") or next(iter(llama.values()))
+    L.append(f"\n**Llama training step** (h{f.get('hidden')}, "
+             f"{f.get('layers')} layers, {f.get('Hq')} heads / {f.get('Hkv')}"
+             f" kv, head dim {f.get('D')}, vocab {f.get('vocab')}, batch "
+             f"{f.get('B')} × seq {f.get('S')}, {f.get('dtype')}, "
+             f"{(f.get('n_params') or 0) / 1e6:.3g}M parameters; step = "
+             f"{f.get('step')})\n")
+    L.append("| attn_implementation | step (ms) | tokens/s | ÷ sdpa | "
+             "gradients bitwise repeatable | loss | torch peak memory |")
+    L.append("|---|---:|---:|---:|---|---:|---:|")
+    for i in ("fold", "sdpa"):
+      r = llama.get(i)
+      if not r:
+        continue
+      rep = r.get("grads_bitwise_repeatable")
+      rep_s = ("–" if rep is None else "yes" if rep else
+               f"**no** ({r.get('grad_mismatches')} of "
+               f"{r.get('grad_tensors')} differ)")
+      name = i + (f" ({r['sdpa_backend']})" if r.get("sdpa_backend") else "")
+      L.append("| " + " | ".join([
+          name, fmt_ms(r["ms"]) if ok(r) else "error",
+          f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "–",
+          f"{r['ratio_vs_sdpa']:.3f}" if r.get("ratio_vs_sdpa") else "–",
+          rep_s, f"{r['loss']:.4f}" if r.get("loss") is not None else "–",
+          fmt_bytes(r.get("torch_peak_mem_bytes"))]) + " |")
+    if f.get("grad_rel_l2_vs_sdpa") is not None:
+      L.append(f"\nfold vs sdpa from the same weights: loss difference "
+               f"{f.get('loss_minus_sdpa', 0):+.2e}, gradients' relative L2 "
+               f"difference {f['grad_rel_l2_vs_sdpa']:.2e}.")
+    errs = [f"{i}: {r['error']}" for i, r in llama.items() if r.get("error")]
+    if errs:
+      L.append("\nerrors: " + "; ".join(errs))
+  return L
 
 
 # ----------------------------------------------------------------------------
@@ -869,6 +1199,12 @@ def plot_all(paths: list[str], out_dir: str | os.PathLike | None = None,
                         sources=data["sources"])
       if p:
         figs.append(p)
+    if name == "bridge":  # its own figure; the generic ones do not apply
+      p = bridge_figure(recs, md, suite.get("metadata") or {},
+                        out / "bridge_overhead.png", sources=data["sources"])
+      if p:
+        figs.append(p)
+      continue
     for fn, stem in ((speedup_figure, "speedup"),
                      (seqlen_figure, "latency_vs_seqlen"),
                      (memory_figure, "memory")):

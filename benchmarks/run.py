@@ -20,9 +20,11 @@ cannot touch another, with its own timeout):
   deberta  a minimal suite in this file: `jax_api.deberta.
            disentangled_attention` (Pallas kernel) against its own XLA path,
            forward and forward+backward, when that API exists.
-  bridge   a minimal suite in this file: `torch_bridge.fold_attn_func` from
-           torch against calling `jax_api.fold_attn_func` directly (the
-           bridge's overhead) and torch SDPA, when `torch_bridge` has it.
+  bridge   `benchmarks.bridge`: the torch bridge's per-call overhead
+           against calling the same JAX functions directly (S128, S4096),
+           and a Llama training step with attn_implementation="fold" vs
+           "sdpa" (time, bitwise-repeatable gradients); targets in the
+           suite's metadata.
 
 Without an NVIDIA GPU (or with --smoke) every suite runs its small CPU smoke
 configuration (seconds to a minute each), so this is testable in CI.
@@ -388,104 +390,9 @@ def child_deberta(args, argv) -> dict:
 
 
 def child_bridge(args, argv) -> dict:
-  try:
-    import torch_bridge
-    tb_attn = torch_bridge.fold_attn_func
-  except Exception as e:  # noqa: BLE001
-    return dict(status="not available", records=[],
-                note=f"torch_bridge.fold_attn_func: {D._err(e)}")
-  import jax
-  import jax.numpy as jnp
-  import torch
-  from jax_api import fold_attn_func
-  md = _child_metadata("bridge", argv)
-  cuda = torch.cuda.is_available() and md["jax_backend"] == "gpu"
-  if args.smoke or not cuda:
-    shapes = [(1, 2, 64, 32)]
-    tdt, jdt, dtname, dev = torch.float32, jnp.float32, "fp32", "cpu"
-    target = 0.01
-  else:
-    shapes = [(1, 16, 128, 128), (1, 16, 4096, 128)]
-    tdt, jdt, dtname, dev = torch.bfloat16, jnp.bfloat16, "bf16", "cuda"
-    target = 0.15
-
-  def sync():
-    if dev == "cuda":
-      torch.cuda.synchronize()
-
-  def time_host(fn, n_batches=5):
-    for _ in range(2):
-      fn()
-    sync()
-    t0 = time.perf_counter()
-    fn()
-    sync()
-    est = max(time.perf_counter() - t0, 1e-6)
-    n = max(1, min(2000, int(target / n_batches / est)))
-    samples = []
-    for _ in range(n_batches):
-      t0 = time.perf_counter()
-      for _ in range(n):
-        fn()
-      sync()
-      samples.append((time.perf_counter() - t0) / n)
-    samples.sort()
-    return dict(ms=samples[len(samples) // 2] * 1e3, ms_min=samples[0] * 1e3,
-                ms_max=samples[-1] * 1e3, calls_per_batch=n,
-                timer="host perf_counter, synchronised per batch")
-
-  records = []
-  for (B, H, S, Dh) in shapes:
-    g = torch.Generator(device=dev).manual_seed(0)
-    q, k, v, do = (torch.randn(B, S, H, Dh, device=dev, dtype=tdt,
-                               generator=g) for _ in range(4))
-    for t in (q, k, v):
-      t.requires_grad_(True)
-    jq, jk, jv, jdo = (jnp.asarray(x.detach().float().cpu().numpy(), jdt)
-                       for x in (q, k, v, do))
-    jf = jax.jit(lambda q, k, v: fold_attn_func(q, k, v, causal=True))
-    jfb = jax.jit(lambda q, k, v, do: jax.vjp(
-        lambda q, k, v: fold_attn_func(q, k, v, causal=True), q, k, v)[1](do))
-    cands = {
-        "bridge": (lambda: tb_attn(q.detach(), k.detach(), v.detach(),
-                                   causal=True),
-                   lambda: torch.autograd.grad(
-                       tb_attn(q, k, v, causal=True), (q, k, v), do)),
-        "jax_direct": (lambda: jf(jq, jk, jv).block_until_ready(),
-                       lambda: jax.block_until_ready(jfb(jq, jk, jv, jdo))),
-    }
-    if dev == "cuda":
-      import torch.nn.functional as F
-      qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-      cands["torch_sdpa"] = (
-          lambda: F.scaled_dot_product_attention(qt.detach(), kt.detach(),
-                                                 vt.detach(), is_causal=True),
-          lambda: torch.autograd.grad(F.scaled_dot_product_attention(
-              qt, kt, vt, is_causal=True), (q, k, v), do.transpose(1, 2)))
-    from benchmarks._timing import attention_flops
-    for impl, (f_fwd, f_fb) in cands.items():
-      for mode, fn in (("fwd", f_fwd), ("fwd+bwd", f_fb)):
-        rec = _rec(impl, B, H, H, S, Dh, True, dtname, mode)
-        records.append(rec)
-        try:
-          if mode == "fwd" and impl != "jax_direct":
-            with torch.no_grad():
-              rec.update(time_host(fn))
-          else:
-            rec.update(time_host(fn))
-          rec["tflops"] = attention_flops(B, H, S, S, Dh, True, mode) / (
-              rec["ms"] * 1e-3) / 1e12
-        except Exception as e:  # noqa: BLE001
-          rec["error"] = D._err(e)
-        _print(rec)
-    by = {(r["impl"], r["mode"]): r for r in records if r["S"] == S}
-    for mode in ("fwd", "fwd+bwd"):
-      a, b = by.get(("bridge", mode)), by.get(("jax_direct", mode))
-      if a and b and a.get("ms") and b.get("ms"):
-        a["overhead_us"] = (a["ms"] - b["ms"]) * 1e3
-        print(f"  bridge overhead {mode} S{S}: {a['overhead_us']:.1f} us",
-              flush=True)
-  return dict(status="ok", metadata=md, records=records)
+  """The torch-bridge suite: see benchmarks/bridge.py."""
+  from benchmarks import bridge
+  return bridge.run(args, argv)
 
 
 def main_child(args, argv) -> int:

@@ -136,3 +136,61 @@ def test_smoke_run_writes_json(tmp_path):
             "--output", str(merged)])
   assert m.returncode == 0, m.stderr
   assert len(json.loads(merged.read_text())["records"]) == 2 * len(recs)
+
+
+def test_bridge_suite_smoke(tmp_path):
+  """benchmarks.bridge on CPU (extras skipped: budget 0): the acceptance
+  records, the targets block and the Llama fold/sdpa records come out, and
+  plot gives the bridge figure and table rows."""
+  pytest.importorskip("torch")
+  pytest.importorskip("transformers")
+  out = tmp_path / "bridge.json"
+  env_budget = dict(os.environ, FOLDAX_BRIDGE_BUDGET_S="0")
+  env_budget["PYTHONPATH"] = str(REPO) + os.pathsep + env_budget.get(
+      "PYTHONPATH", "")
+  env_budget.setdefault("JAX_PLATFORMS", "cpu")
+  r = subprocess.run([sys.executable, "-m", "benchmarks.bridge", "--smoke",
+                      "--output", str(out)], cwd=REPO, env=env_budget,
+                     capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+  doc = json.loads(out.read_text())
+  assert doc["status"] == "ok"
+  md = doc["metadata"]
+  for k in ("command", "date", "git_commit", "versions", "targets",
+            "conventions", "smoke"):
+    assert k in md, k
+  assert md["smoke"] is True and md["versions"].get("transformers")
+  t = md["targets"]
+  assert set(t) == {"overhead_fwd", "overhead_fwd_bwd", "ratio_fwd",
+                    "ratio_fwd_bwd", "llama_train_step",
+                    "llama_fold_grads_bitwise"}, t
+  for k in ("overhead_fwd", "overhead_fwd_bwd"):
+    assert t[k]["value_us"] is not None and t[k]["limit_us"] == 25.0
+    assert isinstance(t[k]["met"], bool)
+  for k in ("ratio_fwd", "ratio_fwd_bwd"):
+    assert t[k]["value"] > 0 and t[k]["limit"] == 1.03
+  by = {(x["impl"], x["mode"], x["S"]): x for x in doc["records"]
+        if x.get("S") is not None}
+  for S in (64, 256):
+    for mode in ("fwd", "fwd+bwd"):
+      b, j = by[("bridge", mode, S)], by[("jax_direct", mode, S)]
+      assert b["error"] is None and j["error"] is None, (b, j)
+      assert b["ms"] > 0 and j["ms"] > 0 and b["ms_pipelined"] > 0
+      assert abs(b["overhead_us"] - (b["ms"] - j["ms"]) * 1e3) < 1e-6
+  llama = {x["impl"]: x for x in doc["records"] if x.get("model") == "llama"}
+  assert set(llama) == {"fold", "sdpa"}
+  for x in llama.values():
+    assert x["error"] is None and x["ms"] > 0 and x["n_steps"] >= 2, x
+  # the CPU XLA path is deterministic; fold matches sdpa closely
+  assert llama["fold"]["grads_bitwise_repeatable"] is True
+  assert t["llama_fold_grads_bitwise"]["met"] is True
+  assert llama["fold"]["grad_rel_l2_vs_sdpa"] < 1e-4
+  assert t["llama_train_step"]["value"] == pytest.approx(
+      llama["fold"]["ms"] / llama["sdpa"]["ms"], rel=1e-3)
+  pytest.importorskip("matplotlib")
+  from benchmarks import plot
+  names = {p.name for p in plot.plot_all([out], tmp_path / "fig")}
+  assert names == {"bridge_overhead.png", "table.md"}, names
+  tab = (tmp_path / "fig" / "table.md").read_text()
+  assert "**Targets**" in tab and "overhead fwd ≤ 25 µs" in tab
+  assert "**Llama training step**" in tab and "| fold |" in tab
