@@ -842,6 +842,16 @@ def write_table(data: dict, out_dir: Path, figures: list[Path]) -> Path:
         L.extend(suite_table(name, suite, md))
     elif name == "bridge":
       L.extend(bridge_table(suite, md))
+    elif name == "deberta":
+      smd = dict(md)
+      smd.update({k: v for k, v in (suite.get("metadata") or {}).items()
+                  if k == "versions" and v})
+      L.extend(deberta_table(suite, smd))
+      rest = deberta_split(suite.get("records", []))[1]
+      if rest:
+        L.append("\n### Attention op alone (jax_api.deberta."
+                 "disentangled_attention)")
+        L.extend(suite_table(name, dict(suite, records=rest), md))
     else:
       L.extend(suite_table(name, suite, md))
   p = out_dir / "table.md"
@@ -1178,6 +1188,413 @@ def bridge_table(suite: dict, md: dict) -> list[str]:
 
 
 # ----------------------------------------------------------------------------
+# DeBERTa model suite (benchmarks/deberta.py: records with kind="model")
+# ----------------------------------------------------------------------------
+DEBERTA_ORDER = ("fold_jax", "fold_torch", "disentangled_flash", "flashdeberta",
+                 "hf_eager")
+DEBERTA_NAMES = {
+    "fold_jax": "foldax JAX model (jax_api.deberta)",
+    "fold_torch": "HF + foldax torch_bridge.optimize_deberta",
+    "disentangled_flash": "disentangled-flash",
+    "flashdeberta": "flashdeberta",
+    "hf_eager": "Hugging Face eager",
+}
+DEBERTA_PKG = {"disentangled_flash": "disentangled-flash",
+               "flashdeberta": "flashdeberta", "hf_eager": "transformers"}
+DEBERTA_COLORS = {"fold_jax": OURS_COLOR, "fold_torch": "#ff7f0e",
+                  "disentangled_flash": "#1f77b4", "flashdeberta": "#2ca02c",
+                  "hf_eager": "#7f7f7f"}
+DEBERTA_POINT_ORDER = ("fwd-b16-l512", "fwd-b16-l512-ragged", "fwd-b1-l2048",
+                       "fwd-b4-l2048", "fwd-b1-l8192", "train-b8-l512",
+                       "train-b2-l2048")
+DEBERTA_TARGET_LINES = {"fwd-b4-l2048": 3.0, "train-b8-l512": 1.5,
+                        "train-b2-l2048": 1.5}
+
+
+def deberta_split(records: list[dict]) -> tuple[list[dict], list[dict]]:
+  """(model-level records, the rest: kernel-level records for the generic
+  figures)."""
+  model = [r for r in records if r.get("kind") == "model"]
+  return model, [r for r in records if r.get("kind") != "model"]
+
+
+def deberta_name(impl: str, md: dict | None = None) -> str:
+  n = DEBERTA_NAMES.get(impl, impl)
+  pkg = DEBERTA_PKG.get(impl)
+  v = ((md or {}).get("versions") or {}).get(pkg) if pkg else None
+  return f"{n} {v}" if v else n
+
+
+def deberta_points(model: list[dict]) -> dict[str, dict[str, dict]]:
+  """{point: {impl: record}} in display order, the ratios recomputed from
+  the times (so that merged files agree), last record of a pair wins."""
+  by: dict[str, dict[str, dict]] = {}
+  for r in model:
+    by.setdefault(r["point"], {})[r["impl"]] = dict(r)
+  for recs in by.values():
+    for ref, key in (("hf_eager", "speedup_vs_hf_eager"),
+                     ("disentangled_flash", "speedup_vs_disentangled_flash")):
+      b = recs.get(ref)
+      for impl, r in recs.items():
+        r.pop(key, None)
+        if impl != ref and ok(r) and ok(b):
+          r[key] = b["ms"] / r["ms"]
+  order = {p: i for i, p in enumerate(DEBERTA_POINT_ORDER)}
+  first = {p: i for i, p in enumerate(by)}
+  keys = sorted(by, key=lambda p: (0 if next(iter(by[p].values()))["mode"] ==
+                                   "fwd" else 1, order.get(p, 99), first[p]))
+  return {k: by[k] for k in keys}
+
+
+def _deberta_impls(points: dict) -> list[str]:
+  seen = {i for recs in points.values() for i in recs}
+  return [i for i in DEBERTA_ORDER if i in seen] + sorted(
+      seen - set(DEBERTA_ORDER))
+
+
+def _point_title(recs: dict) -> str:
+  r = next(iter(recs.values()))
+  return str(r.get("label") or r.get("point"))
+
+
+def _point_short(recs: dict) -> str:
+  r = next(iter(recs.values()))
+  return f"B{r.get('B')} L{r.get('L')}" + (" ragged" if r.get("ragged")
+                                           else "")
+
+
+def _model_note(md: dict) -> str:
+  cfg = md.get("config") or {}
+  if not cfg:
+    return "DeBERTa-v3-base"
+  nl = cfg.get("num_hidden_layers")
+  return (f"{nl} layer{'' if nl == 1 else 's'}, hidden "
+          f"{cfg.get('hidden_size')}, {cfg.get('num_attention_heads')} heads, "
+          f"position_buckets {cfg.get('position_buckets')}, vocabulary "
+          f"{cfg.get('vocab_size')}, random weights"
+          + (" (smoke configuration)" if md.get("smoke") else ""))
+
+
+def _mem_scale(nbytes_max: float) -> tuple[float, str]:
+  return (2**30, "GiB") if nbytes_max >= 2**29 else (2**20, "MiB")
+
+
+def _why(r: dict | None) -> str:
+  e = str((r or {}).get("error") or "not run")
+  if e.startswith("skipped"):
+    return "skipped (budget)" if "budget" in e else "skipped"
+  if "not installed" in e:
+    return "not installed"
+  return "error"
+
+
+def deberta_forward_figure(model: list[dict], md: dict, path: Path, *,
+                           sources=()) -> Path | None:
+  """One panel per forward point: median time per implementation, with the
+  speedup over Hugging Face eager."""
+  pts = {p: v for p, v in deberta_points(model).items()
+         if next(iter(v.values()))["mode"] == "fwd"}
+  if not any(ok(r) for v in pts.values() for r in v.values()):
+    return None
+  plt = _plt()
+  impls = _deberta_impls(pts)
+  n = len(pts)
+  ncol = min(3, n)
+  nrow = math.ceil(n / ncol)
+  fig_w = 3.6 + 4.6 * ncol
+  fig_h = 1.7 + nrow * (0.9 + 0.42 * len(impls))
+  fig, axes = plt.subplots(nrow, ncol, figsize=(fig_w, fig_h), squeeze=False)
+  for ax in axes.flat[n:]:
+    ax.axis("off")
+  for k, (ax, (p, recs)) in enumerate(zip(axes.flat, pts.items())):
+    ys = list(range(len(impls)))[::-1]
+    top = max([r["ms"] for r in recs.values() if ok(r)] or [1.0])
+    for y, impl in zip(ys, impls):
+      r = recs.get(impl)
+      if ok(r):
+        ax.barh(y, r["ms"], height=0.66, color=DEBERTA_COLORS.get(impl,
+                                                                 "#4c72b0"))
+        txt = f"{fmt_ms(r['ms'])} ms"
+        if r.get("speedup_vs_hf_eager"):
+          txt += f"  ·  {r['speedup_vs_hf_eager']:.2f}× HF"
+        ax.text(r["ms"] + top * 0.015, y, txt, va="center", fontsize=8)
+      else:
+        ax.text(top * 0.015, y, _why(r), va="center", fontsize=8,
+                color="#777777", style="italic")
+    ax.set_xlim(0, top * 1.6)
+    ax.set_ylim(-0.6, len(impls) - 0.4)
+    ax.set_yticks(ys)
+    if k % ncol == 0:
+      ax.set_yticklabels([deberta_name(i, md) for i in impls], fontsize=8.5)
+      for t, impl in zip(ax.get_yticklabels(), impls):
+        if impl in ("fold_jax", "fold_torch"):
+          t.set_color(DEBERTA_COLORS[impl])
+          t.set_fontweight("bold")
+    else:
+      ax.set_yticklabels([])
+    ax.tick_params(axis="y", length=0)
+    ax.set_title(_point_title(recs), fontsize=10.5)
+    ax.set_xlabel("median time per forward (ms; lower is better)")
+    ax.grid(True, axis="x", alpha=0.3)
+  fig.suptitle("How long does a DeBERTa-v3-base forward take? "
+               f"({device_label(md)})")
+  _footer(fig, _model_note(md) + "; [B, L] padding mask to every "
+               "implementation.\n" + provenance(md, list(sources)))
+  fig.tight_layout(rect=(0, 0.55 / fig_h, 1, 1 - 0.35 / fig_h))
+  fig.savefig(path, dpi=130)
+  plt.close(fig)
+  return path
+
+
+def deberta_speedup_figure(model: list[dict], md: dict, path: Path, *,
+                           sources=()) -> Path | None:
+  """Grouped bars per point: speedup over Hugging Face eager (top) and over
+  disentangled-flash (bottom), with the acceptance targets marked."""
+  pts = deberta_points(model)
+  impls = _deberta_impls(pts)
+  rows = [("hf_eager", "speedup_vs_hf_eager", "Hugging Face eager"),
+          ("disentangled_flash", "speedup_vs_disentangled_flash",
+           "disentangled-flash")]
+  rows = [x for x in rows if any(recs.get(i, {}).get(x[1])
+                                 for recs in pts.values() for i in impls)]
+  if not rows:
+    return None
+  plt = _plt()
+  names = list(pts)
+  fig_w = max(10.0, 2.2 + 1.55 * len(names))
+  fig_h = 1.6 + 3.3 * len(rows)
+  fig, axes = plt.subplots(len(rows), 1, figsize=(fig_w, fig_h),
+                           squeeze=False)
+  handles: dict = {}
+  for ax, (ref, key, ref_name) in zip(axes[:, 0], rows):
+    bars = [i for i in impls if i != ref and any(
+        pts[p].get(i, {}).get(key) for p in names)]
+    w = 0.8 / max(1, len(bars))
+    vals = [pts[p][i][key] for p in names for i in bars
+            if pts[p].get(i, {}).get(key)]
+    lo, hi = min(vals + [1.0]), max(vals + [1.0])
+    for j, impl in enumerate(bars):
+      for x, p in enumerate(names):
+        v = pts[p].get(impl, {}).get(key)
+        if not v:
+          continue
+        xx = x - 0.4 + w * (j + 0.5)
+        h = ax.bar(xx, v, width=w * 0.92, color=DEBERTA_COLORS.get(
+            impl, "#4c72b0"))
+        handles.setdefault(impl, h)
+        ax.text(xx, v * 1.04, f"{v:.2f}×", ha="center", va="bottom",
+                fontsize=7.5, rotation=90 if len(bars) > 3 else 0)
+    ax.axhline(1.0, color="#333333", lw=1.2, ls="--")
+    if ref == "hf_eager":
+      for x, p in enumerate(names):
+        t = DEBERTA_TARGET_LINES.get(p)
+        if t:
+          ax.plot([x - 0.45, x + 0.45], [t, t], color="black", lw=2.0)
+          ax.text(x - 0.45, t * 1.05, f"target {t:g}×", va="bottom",
+                  ha="left", fontsize=7.5, fontweight="bold")
+          hi = max(hi, t)
+    ax.set_yscale("log", base=2)
+    ax.set_ylim(min(lo, 1.0) / 1.4, hi * 3.0)
+    from matplotlib.ticker import FuncFormatter
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}×"))
+    ax.set_xticks(range(len(names)))
+    ax.set_xticklabels([_point_title(pts[p]).replace(" B", "\nB", 1)
+                        for p in names], fontsize=8.5)
+    ax.set_xlim(-0.6, len(names) - 0.1)
+    ax.set_ylabel(f"{ref_name} time ÷ this time\n(> 1: faster)")
+    ax.set_title(f"speedup over {ref_name}", fontsize=11)
+    ax.grid(True, axis="y", alpha=0.3)
+  order = [i for i in impls if i in handles]
+  fig.legend([handles[i] for i in order], [deberta_name(i, md) for i in order],
+             loc="upper center", ncol=len(order), frameon=False, fontsize=8.5,
+             bbox_to_anchor=(0.5, 1 - 0.62 / fig_h))
+  fig.suptitle("How much faster than what you use now? DeBERTa-v3-base "
+               f"encoder ({device_label(md)})")
+  _footer(fig, "Black bars: the acceptance targets (forward ≥ 3× HF eager "
+               "at B4 L2048; training step ≥ 1.5× HF eager); dashed: 1×.\n"
+          + provenance(md, list(sources)))
+  fig.tight_layout(rect=(0, 0.5 / fig_h, 1, 1 - 0.85 / fig_h))
+  fig.savefig(path, dpi=130)
+  plt.close(fig)
+  return path
+
+
+def deberta_train_figure(model: list[dict], md: dict, path: Path, *,
+                         sources=()) -> Path | None:
+  """Training step: time (left) and peak memory (right) per point."""
+  pts = {p: v for p, v in deberta_points(model).items()
+         if next(iter(v.values()))["mode"] == "train"}
+  if not any(ok(r) for v in pts.values() for r in v.values()):
+    return None
+  plt = _plt()
+  impls = _deberta_impls(pts)
+  n = len(pts)
+  fig_h = 1.5 + n * (0.9 + 0.45 * len(impls))
+  fig, axes = plt.subplots(n, 2, figsize=(15.0, fig_h), squeeze=False)
+  for row, (p, recs) in enumerate(pts.items()):
+    ax_t, ax_m = axes[row]
+    ys = list(range(len(impls)))[::-1]
+    tmax = max([r["ms"] for r in recs.values() if ok(r)] or [1.0])
+    mems = [r.get("peak_mem_bytes") for r in recs.values() if ok(r)
+            and r.get("peak_mem_bytes")]
+    unit, uname = _mem_scale(max(mems or [1]))
+    mmax = max(mems or [1]) / unit
+    df_mem = (recs.get("disentangled_flash") or {}).get("peak_mem_bytes")
+    for y, impl in zip(ys, impls):
+      r = recs.get(impl)
+      col = DEBERTA_COLORS.get(impl, "#4c72b0")
+      if not ok(r):
+        for ax, top in ((ax_t, tmax), (ax_m, mmax)):
+          ax.text(top * 0.015, y, _why(r), va="center", fontsize=8,
+                  color="#777777", style="italic")
+        continue
+      ax_t.barh(y, r["ms"], height=0.66, color=col)
+      txt = f"{fmt_ms(r['ms'])} ms"
+      if r.get("speedup_vs_hf_eager"):
+        txt += f"  ·  {r['speedup_vs_hf_eager']:.2f}× HF"
+      ax_t.text(r["ms"] + tmax * 0.015, y, txt, va="center", fontsize=8)
+      m = r.get("peak_mem_bytes")
+      if m:
+        g = m / unit
+        ax_m.barh(y, g, height=0.66, color=col)
+        lab = f"{g:.2f} {uname}"
+        if df_mem and impl != "disentangled_flash":
+          lab += f"  ({m / df_mem:.2f}× DF)"
+        ax_m.text(g + mmax * 0.015, y, lab, va="center", fontsize=8)
+      else:
+        ax_m.text(mmax * 0.015, y, "not measured", va="center", fontsize=8,
+                  color="#777777", style="italic")
+    if df_mem:
+      ax_m.axvline(df_mem / unit, color=DEBERTA_COLORS["disentangled_flash"],
+                   ls="--", lw=1.2)
+    ax_t.set_xlim(0, tmax * 1.6)
+    ax_m.set_xlim(0, mmax * 1.6)
+    for ax in (ax_t, ax_m):
+      ax.set_ylim(-0.6, len(impls) - 0.4)
+      ax.set_yticks(ys)
+      ax.tick_params(axis="y", length=0)
+      ax.grid(True, axis="x", alpha=0.3)
+    ax_t.set_yticklabels([deberta_name(i, md) for i in impls], fontsize=8.5)
+    for t, impl in zip(ax_t.get_yticklabels(), impls):
+      if impl in ("fold_jax", "fold_torch"):
+        t.set_color(DEBERTA_COLORS[impl])
+        t.set_fontweight("bold")
+    ax_m.set_yticklabels([])
+    title = _point_title(recs)
+    ax_t.set_title(f"{title}: time per step", fontsize=10.5)
+    ax_m.set_title(f"{title}: peak memory", fontsize=10.5)
+    ax_t.set_xlabel("median time per training step (ms; lower is better)")
+    ax_m.set_xlabel(f"parameters + peak a step allocates ({uname}; "
+                    "dashed: disentangled-flash)")
+  fig.suptitle("How fast and how big is a DeBERTa-v3-base training step? "
+               f"({device_label(md)})")
+  _footer(fig, _model_note(md) + "; bf16 parameters, dropout 0.1, loss = "
+               "mean(h²), backward, SGD.\nMemory: torch max_memory_allocated "
+               "(+ JAX-side bytes for the bridge); JAX: XLA buffer "
+               "assignment.\n" + provenance(md, list(sources)))
+  fig.tight_layout(rect=(0, 0.7 / fig_h, 1, 1 - 0.3 / fig_h))
+  fig.savefig(path, dpi=130)
+  plt.close(fig)
+  return path
+
+
+def deberta_table(suite: dict, md: dict) -> list[str]:
+  model, _ = deberta_split(suite.get("records", []))
+  if not model:
+    return []
+  pts = deberta_points(model)
+  smd = suite.get("metadata") or {}
+  impls = _deberta_impls(pts)
+  L = ["\n### DeBERTa-v3-base encoder (whole model)\n"]
+  if smd.get("config_note"):
+    L.append(smd["config_note"] + ".")
+  L.append("Speedups are time ratios from this run (> 1×: faster). "
+           "Definitions: metadata.conventions of the JSON and "
+           "benchmarks/deberta.py.")
+  for mode, title in (("fwd", "fp16 forward: ms (× HF eager / × "
+                       "disentangled-flash)"),
+                      ("train", "bf16 training step: ms, peak memory (× HF "
+                       "eager time; memory ÷ disentangled-flash's)")):
+    names = [p for p, v in pts.items()
+             if next(iter(v.values()))["mode"] == mode]
+    if not names:
+      continue
+    L.append(f"\n**{title}**\n")
+    L.append("| implementation | " + " | ".join(
+        _point_short(pts[p]) for p in names) + " |")
+    L.append("|---|" + "---:|" * len(names))
+    for impl in impls:
+      cells = []
+      for p in names:
+        r = pts[p].get(impl)
+        if not r:
+          cells.append("–")
+          continue
+        if not ok(r):
+          cells.append(_why(r))
+          continue
+        c = f"{fmt_ms(r['ms'])}"
+        if mode == "train" and r.get("peak_mem_bytes"):
+          c += f", {r['peak_mem_bytes'] / 2**30:.2f} GiB"
+        sh = r.get("speedup_vs_hf_eager")
+        sd = r.get("speedup_vs_disentangled_flash")
+        if mode == "fwd" and (sh or sd):
+          c += (f" ({sh:.2f}×" if sh else " (–") + (
+              f" / {sd:.2f}×)" if sd else " / –)")
+        elif mode == "train":
+          df = pts[p].get("disentangled_flash") or {}
+          bits = []
+          if sh:
+            bits.append(f"{sh:.2f}×")
+          if r.get("peak_mem_bytes") and df.get("peak_mem_bytes") and \
+              impl != "disentangled_flash":
+            bits.append(f"mem {r['peak_mem_bytes'] / df['peak_mem_bytes']:.2f}")
+          if bits:
+            c += " (" + "; ".join(bits) + ")"
+        cells.append(c)
+      name = deberta_name(impl, md)
+      if impl in ("fold_jax", "fold_torch"):
+        name = f"**{name}**"
+      L.append(f"| {name} | " + " | ".join(cells) + " |")
+  ovh = [(p, r["fold_torch"]["hf_mask_relpos_ms"]) for p, r in pts.items()
+         if (r.get("fold_torch") or {}).get("hf_mask_relpos_ms") is not None]
+  if ovh:
+    L.append("\nHF's encoder builds a [B, 1, L, L] mask and [1, L, L] "
+             "relative positions on every forward, which fold_torch keeps "
+             "(disentangled-flash replaces the encoder): " + "; ".join(
+                 f"{_point_short(pts[p])} {fmt_ms(v)} ms"
+                 for p, v in ovh) + ".")
+  try:
+    from benchmarks.deberta import evaluate_targets
+    targets = evaluate_targets(model)
+  except Exception:  # noqa: BLE001
+    targets = smd.get("targets") or {}
+  if targets:
+    L.append("\n**Acceptance targets** (from this run's times)\n")
+    word = {True: "met", False: "**not met**", None: "not measured"}
+    for issue, per in targets.items():
+      for impl, s in per.items():
+        L.append(f"- {issue.replace('_', ' ')}, {impl}: {word[s['met']]}")
+        for cname, c in s["checks"].items():
+          if c["met"] is None:
+            detail = c.get("note", "")
+          elif "speedup" in c:
+            detail = (f"{c['speedup']:.2f}× (need {c['threshold']:g}×; "
+                      f"{fmt_ms(c['ms'])} vs {fmt_ms(c['reference_ms'])} ms)")
+          else:
+            detail = (f"{c['value_gib']:.2f} vs {c['reference_gib']:.2f} "
+                      f"GiB")
+          L.append(f"  - {cname}: {word[c['met']]} — {detail}")
+  errs = [(p, i, r["error"]) for p, v in pts.items() for i, r in v.items()
+          if not ok(r) and r.get("error")]
+  if errs:
+    L.append("\nNot measured:\n")
+    for p, i, e in errs:
+      L.append(f"- {i} @ {p}: {str(e)[:200]}")
+  return L
+
+
+# ----------------------------------------------------------------------------
 # Main
 # ----------------------------------------------------------------------------
 def plot_all(paths: list[str], out_dir: str | os.PathLike | None = None,
@@ -1194,6 +1611,19 @@ def plot_all(paths: list[str], out_dir: str | os.PathLike | None = None,
                if k in ("versions",) and v})
     if not recs:
       continue
+    if name == "deberta":
+      model, recs = deberta_split(recs)
+      dmd = dict(suite.get("metadata") or {})
+      dmd.update(md)  # the run's provenance; config/smoke from the suite
+      for fn, stem in ((deberta_forward_figure, "forward"),
+                       (deberta_speedup_figure, "speedup_vs_hf"),
+                       (deberta_train_figure, "train")):
+        p = fn(model, dmd, out / f"deberta_{stem}.png",
+               sources=data["sources"])
+        if p:
+          figs.append(p)
+      if not recs:
+        continue
     if name == "decode":
       p = decode_figure(recs, md, out / "decode_bandwidth.png",
                         sources=data["sources"])

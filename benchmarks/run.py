@@ -17,9 +17,11 @@ cannot touch another, with its own timeout):
            global XLA flag), merged.
   decode   `benchmarks.decode` when that module exists (else recorded as
            "not available").
-  deberta  a minimal suite in this file: `jax_api.deberta.
-           disentangled_attention` (Pallas kernel) against its own XLA path,
-           forward and forward+backward, when that API exists.
+  deberta  `benchmarks.deberta`: the DeBERTa-v3-base encoder (fp16
+           forward, bf16 training step) as the JAX model and through
+           torch_bridge, against Hugging Face eager, disentangled-flash and
+           flashdeberta; targets in the suite's metadata; the attention op
+           alone against its XLA path when time is left.
   bridge   `benchmarks.bridge`: the torch bridge's per-call overhead
            against calling the same JAX functions directly (S128, S4096),
            and a Llama training step with attn_implementation="fold" vs
@@ -337,56 +339,11 @@ def _print(rec: dict):
 
 
 def child_deberta(args, argv) -> dict:
-  try:
-    from jax_api.deberta import disentangled_attention
-    from pallas_kernels.deberta._geometry import geometry
-  except Exception as e:  # noqa: BLE001
-    return dict(status="not available", records=[],
-                note=f"jax_api.deberta.disentangled_attention: {D._err(e)}")
-  import jax
-  import jax.numpy as jnp
-  md = _child_metadata("deberta", argv)
-  on_gpu = md["jax_backend"] == "gpu"
-  if args.smoke or not on_gpu:
-    # CPU: the Pallas kernel in interpret mode against the XLA path.
-    shapes = [(1, 2, 64, 32)]
-    pb, mrp, dt, ours_be = 32, 64, jnp.float32, "interpret"
-    target = 0.01
-  else:
-    # DeBERTa-v3-base: 12 heads of 64, position_buckets 256, max_rel 512.
-    shapes = [(8, 12, 512, 64)] + ([] if args.quick else [(4, 12, 1024, 64),
-                                                          (2, 12, 2048, 64)])
-    pb, mrp, dt, ours_be = 256, 512, jnp.bfloat16, "pallas"
-    target = 0.15
-  span = geometry(pb, mrp).span
-  md.update(position_buckets=pb, max_relative_positions=mrp,
-            pos_att_type="c2p|p2c",
-            conventions=dict(
-                flops=None,
-                note="speedups are time ratios; no FLOP convention for "
-                      "disentangled attention is claimed",
-                fwd_bwd="forward + vjp wrt q, k, v, pos_key, pos_query"))
-  records = []
-  dtname = "bf16" if dt == jnp.bfloat16 else "fp32"
-  for (B, H, S, Dh) in shapes:
-    ks = jax.random.split(jax.random.key(0), 6)
-    q, k, v, do = (jax.random.normal(kk, (B, S, H, Dh), dt) for kk in ks[:4])
-    pk = jax.random.normal(ks[4], (2 * span, H, Dh), dt)
-    pq = jax.random.normal(ks[5], (2 * span, H, Dh), dt)
-    for impl, be in (("ours", ours_be), ("ours_xla", "xla")):
-      def attn(q, k, v, pk, pq, be=be):
-        return disentangled_attention(q, k, v, pk, pq, position_buckets=pb,
-                                      max_relative_positions=mrp, backend=be)
-
-      def fwdbwd(q, k, v, pk, pq, do, attn=attn):
-        return jax.vjp(attn, q, k, v, pk, pq)[1](do)
-      for mode, fn, a in (("fwd", attn, (q, k, v, pk, pq)),
-                          ("fwd+bwd", fwdbwd, (q, k, v, pk, pq, do))):
-        rec = _rec(impl, B, H, H, S, Dh, False, dtname, mode,
-                   notes=[f"backend={be!r}"])
-        records.append(rec)
-        _time_jax_record(rec, fn, a, target_s=target, determinism=True)
-  return dict(status="ok", metadata=md, records=records)
+  """The DeBERTa suite: see benchmarks/deberta.py (whole DeBERTa-v3-base
+  encoder against HF eager, disentangled-flash, flashdeberta; plus the
+  attention op alone against its XLA path)."""
+  from benchmarks import deberta
+  return deberta.run(args, argv)
 
 
 def child_bridge(args, argv) -> dict:

@@ -194,3 +194,91 @@ def test_bridge_suite_smoke(tmp_path):
   tab = (tmp_path / "fig" / "table.md").read_text()
   assert "**Targets**" in tab and "overhead fwd ≤ 25 µs" in tab
   assert "**Llama training step**" in tab and "| fold |" in tab
+
+
+# ----------------------------------------------------------------------------
+# DeBERTa suite (benchmarks/deberta.py)
+# ----------------------------------------------------------------------------
+def _deberta_rec(point, impl, ms, mode="fwd", mem=None, **kw):
+  r = dict(kind="model", point=point, mode=mode, impl=impl, B=1, L=512,
+           label=point, ms=ms, error=None if ms else "boom")
+  if mem is not None:
+    r["peak_mem_bytes"] = mem
+  r.update(kw)
+  return r
+
+
+def test_deberta_ratios_and_targets():
+  from benchmarks import deberta as DB
+  G = 2**30
+  recs = [
+      _deberta_rec("fwd-b4-l2048", "hf_eager", 69.0),
+      _deberta_rec("fwd-b4-l2048", "disentangled_flash", 21.0),
+      _deberta_rec("fwd-b4-l2048", "fold_jax", 20.0),
+      _deberta_rec("fwd-b4-l2048", "fold_torch", 24.0),
+      _deberta_rec("train-b8-l512", "hf_eager", 56.0, "train", 4.9 * G),
+      _deberta_rec("train-b8-l512", "disentangled_flash", 74.0, "train",
+                   2.7 * G),
+      _deberta_rec("train-b8-l512", "fold_jax", 30.0, "train", 2.5 * G),
+      _deberta_rec("train-b8-l512", "fold_torch", None, "train"),
+  ]
+  for p in ("fwd-b4-l2048", "train-b8-l512"):
+    DB.add_ratios({r["impl"]: r for r in recs if r["point"] == p})
+  by = {(r["point"], r["impl"]): r for r in recs}
+  assert by[("fwd-b4-l2048", "fold_jax")]["speedup_vs_hf_eager"] == 69 / 20
+  assert by[("fwd-b4-l2048", "fold_torch")][
+      "speedup_vs_disentangled_flash"] == 21 / 24
+  assert abs(by[("train-b8-l512", "fold_jax")]["mem_vs_disentangled_flash"]
+             - 2.5 / 2.7) < 1e-12
+  t = DB.evaluate_targets(recs)
+  fj = t["deberta_issue"]["fold_jax"]
+  assert fj["met"] is True, fj
+  c = fj["checks"]["fwd-b4-l2048 >= 3x hf_eager"]
+  assert c["met"] and c["speedup"] == round(69 / 20, 3) and c["threshold"] == 3
+  assert fj["checks"]["train-b8-l512 peak memory <= disentangled_flash"][
+      "value_gib"] == 2.5
+  ft = t["deberta_issue"]["fold_torch"]
+  assert ft["met"] is False  # slower than disentangled-flash at B4 L2048
+  assert ft["checks"]["train-b8-l512 >= 1.5x hf_eager"]["met"] is None
+  assert t["bridge_issue"]["fold_torch"]["met"] is False
+
+
+def test_deberta_suite_smoke_run_and_plot(tmp_path):
+  """`benchmarks.run --suite deberta` on the CPU: tiny configuration, every
+  point and implementation recorded (the peers as "not installed" when they
+  are missing), ratios, targets, and the suite's figures and table rows."""
+  out = tmp_path / "deberta.json"
+  r = _run(["-m", "benchmarks.run", "--suite", "deberta", "--output",
+            str(out)], timeout=300)
+  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+  s = json.loads(out.read_text())["suites"]["deberta"]
+  assert s["status"] == "ok", s
+  md = s["metadata"]
+  for k in ("command", "date", "versions", "git_commit", "config", "points",
+            "conventions", "targets", "anchors_h200"):
+    assert k in md, k
+  assert md["smoke"] is True and md["complete"] is True
+  model = [x for x in s["records"] if x.get("kind") == "model"]
+  points = {p["name"]: p for p in md["points"]}
+  by = {(x["point"], x["impl"]): x for x in model}
+  for name, p in points.items():
+    for impl in ("fold_jax", "fold_torch", "hf_eager"):
+      x = by[(name, impl)]
+      assert x["error"] is None and x["ms"] > 0, x
+      assert x["finite"] is True, x
+    for impl in ("disentangled_flash", "flashdeberta"):
+      if (name, impl) in by:
+        x = by[(name, impl)]
+        assert x["ms"] or x["error"], x
+    assert by[(name, "fold_jax")]["speedup_vs_hf_eager"] > 0
+    if p["mode"] == "train":
+      assert by[(name, "fold_jax")]["peak_mem_bytes"] > 0
+      assert by[(name, "fold_jax")]["loss"] > 0
+  assert {"deberta_issue", "bridge_issue"} <= set(md["targets"])
+  from benchmarks import plot
+  names = {q.name for q in plot.plot_all([out], tmp_path / "f")}
+  assert {"deberta_forward.png", "deberta_speedup_vs_hf.png",
+          "deberta_train.png", "table.md"} <= names, names
+  t = (tmp_path / "f" / "table.md").read_text()
+  assert "DeBERTa-v3-base encoder (whole model)" in t
+  assert "Acceptance targets" in t and "foldax JAX model" in t
