@@ -10,6 +10,22 @@
      checks that every gradient and the final parameters are bitwise
      identical, printing the verdict (exit status 1 if not).
 
+Determinism on GPU: the attention kernels' backward is deterministic by
+construction, and so is the rest of TinyLM: its token embedding is a one-hot
+matmul and its loss a one-hot cross-entropy, so no gradient is a scatter-add
+(XLA lowers a scatter-add with repeated indices to float atomics on GPU, and
+the order of atomic additions varies run to run). On top of that, `main()`
+appends `--xla_gpu_deterministic_ops=true` to XLA_FLAGS before JAX
+initialises its backend (XLA reads the variable once, then), unless
+XLA_FLAGS already sets it or `--no-xla-deterministic` is given; the output
+says whether it was on. Under the flag any remaining scatter is made
+deterministic, GEMMs run with deterministic settings and without timing-based
+autotuning of GEMM fusions (so the compiled program does not vary between
+processes; it can cost some speed), and cuDNN's attention backward uses its
+deterministic algorithm. `--compare` measures under the flag, then times
+fold and cuDNN without it in a child process (XLA flags are per process),
+where it also re-checks fold's determinism.
+
     python -m jax_api.train                       # CPU: ~1 minute
     python -m jax_api.train --steps 500 --size medium
     python -m jax_api.train --backend interpret --size tiny --steps 20
@@ -27,7 +43,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
 import math
+import os
+import subprocess
 import sys
 import time
 from typing import Any, Sequence
@@ -37,6 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import linen as nn
+from jax import lax
 
 from jax_api._backend import _gpu_capability, resolve_backend
 from jax_api._corpus import CharTokenizer, corpus_text
@@ -45,7 +65,8 @@ from jax_api.kvcache import FoldKVCache
 
 __all__ = ["LMConfig", "SIZES", "TinyLM", "init_caches", "make_train_step",
            "batches", "train", "generate", "check_determinism",
-           "compare_attention", "init_params", "main"]
+           "compare_attention", "init_params", "enable_xla_deterministic_ops",
+           "OneHotEmbed", "cross_entropy", "main"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +137,34 @@ class Block(nn.Module):
     return self._mlp(x + h), cache
 
 
+class OneHotEmbed(nn.Embed):
+  """`nn.Embed` (same parameter) whose lookup is one_hot(ids) @ table.
+
+  The gradient of a gather (`jnp.take`, nn.Embed's lookup) is a scatter-add
+  that XLA lowers to float atomics on GPU, so with repeated token ids the
+  table's gradient changes bits from run to run. The one-hot matmul's
+  gradient is a matmul (a fixed-order reduction). At HIGHEST precision the
+  forward is exact (1 * x plus exact zeros), i.e. bitwise the gather. Meant
+  for small vocabularies (here ~70 characters: [tokens, vocab] x [vocab,
+  d_model] is a few GFLOP); for a large vocabulary use the XLA flag instead.
+  """
+
+  def __call__(self, inputs):
+    if not jnp.issubdtype(inputs.dtype, jnp.integer):
+      raise ValueError("Input type must be an integer or unsigned integer.")
+    (table,) = self.promote_dtype(self.embedding, dtype=self.dtype,
+                                  inexact=False)
+    onehot = jax.nn.one_hot(inputs, self.num_embeddings, dtype=table.dtype)
+    return jnp.dot(onehot, table, precision=lax.Precision.HIGHEST)
+
+
+def cross_entropy(logits, labels):
+  """Softmax cross-entropy with integer labels, written with a one-hot
+  product (no gather, so no scatter-add in the gradient)."""
+  onehot = jax.nn.one_hot(labels, logits.shape[-1], dtype=logits.dtype)
+  return optax.softmax_cross_entropy(logits, onehot)
+
+
 class TinyLM(nn.Module):
   """Character-level decoder LM: embed -> blocks -> RMSNorm -> tied logits.
 
@@ -129,7 +178,7 @@ class TinyLM(nn.Module):
 
   def setup(self):
     c = self.cfg
-    self.embed = nn.Embed(c.vocab_size, c.d_model,
+    self.embed = OneHotEmbed(c.vocab_size, c.d_model,
                           embedding_init=nn.initializers.normal(0.02))
     self.blocks = [Block(c) for _ in range(c.num_layers)]
     self.norm = nn.RMSNorm(dtype=jnp.dtype(c.dtype))
@@ -200,7 +249,7 @@ def make_train_step(model: TinyLM, tx):
 
   def loss_fn(params, x, y):
     logits = model.apply(params, x)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    return cross_entropy(logits, y).mean()
 
   @functools.partial(jax.jit, donate_argnums=(0, 1))
   def step(params, opt_state, x, y):
@@ -398,23 +447,102 @@ def check_determinism(cfg: LMConfig, data: np.ndarray, *, steps: int,
   return False, "; ".join(what)
 
 
+# ------------------------------------------------------ XLA determinism --
+
+_DET_FLAG = "--xla_gpu_deterministic_ops"
+_EXCLUDE_FLAG = "--xla_gpu_exclude_nondeterministic_ops"
+
+
+def _flag_value(flags: str, name: str) -> bool | None:
+  """The last setting of boolean flag `name` in an XLA_FLAGS string (a bare
+  `--name` is true); None when absent."""
+  val = None
+  for tok in flags.split():
+    key, eq, v = tok.partition("=")
+    if key == name:
+      val = (not eq) or v.strip().lower() not in ("false", "0", "no", "")
+  return val
+
+
+def _backend_initialised() -> bool:
+  try:
+    from jax._src import xla_bridge
+    return xla_bridge.backends_are_initialized()
+  except (ImportError, AttributeError):  # private API moved: assume so
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaDeterminism:
+  on: bool     # XLA_FLAGS asked for deterministic GPU ops when XLA read it
+  detail: str  # how that came about, for the output
+
+
+def enable_xla_deterministic_ops(enable: bool = True) -> XlaDeterminism:
+  """Appends --xla_gpu_deterministic_ops=true to XLA_FLAGS when `enable`,
+  XLA_FLAGS does not set it already, and no JAX backend is initialised yet.
+
+  XLA parses XLA_FLAGS once, when JAX initialises its first backend (the
+  first `jax.devices()`, array creation or compilation; importing jax,
+  flax, optax or this package does not do it), so this must run before
+  that. An explicit setting in XLA_FLAGS wins over `enable`. On CPU the
+  flag changes nothing (XLA:CPU is deterministic).
+  """
+  flags = os.environ.get("XLA_FLAGS", "")
+  det, excl = _flag_value(flags, _DET_FLAG), _flag_value(flags, _EXCLUDE_FLAG)
+  if det is not None or excl:
+    on = bool(det) or bool(excl)
+    which = (f"{_DET_FLAG}={'true' if det else 'false'}" if det is not None
+             else f"{_EXCLUDE_FLAG}=true")
+    if det is False and excl:
+      which += f" {_EXCLUDE_FLAG}=true"
+    return XlaDeterminism(on, f"{'on' if on else 'off'} ({which} in "
+                          "XLA_FLAGS)")
+  if not enable:
+    return XlaDeterminism(False, "off (--no-xla-deterministic)")
+  if _backend_initialised():
+    return XlaDeterminism(False, (
+        "off (the JAX backend was already initialised in this process, "
+        f"so XLA_FLAGS can no longer change; set XLA_FLAGS={_DET_FLAG}=true "
+        "before starting Python)"))
+  os.environ["XLA_FLAGS"] = f"{flags} {_DET_FLAG}=true".strip()
+  return XlaDeterminism(True, f"on ({_DET_FLAG}=true, added to XLA_FLAGS "
+                        "by jax_api.train)")
+
+
+def _without_det_flags(flags: str) -> str:
+  return " ".join(t for t in flags.split()
+                  if t.partition("=")[0] not in (_DET_FLAG, _EXCLUDE_FLAG))
+
+
 # --------------------------------------------------------------- comparison --
 
 
+def _fmt_rate(v) -> str:
+  return v if isinstance(v, str) else f"{v:,.0f} tok/s"
+
+
 def compare_attention(cfg: LMConfig, data, *, seq_len, batch, lr,
-                      steps: int = 20, stream=None) -> list[tuple[str, Any]]:
+                      steps: int = 20, stream=None,
+                      impls: Sequence[str] | None = None,
+                      total_steps: int | None = None,
+                      notes: dict[str, str] | None = None
+                      ) -> list[tuple[str, Any]]:
   """tokens/s of training steps with foldax vs jax.nn.dot_product_attention
-  (XLA; cuDNN on a GPU) on the same model (no sinks/softcap/window there)."""
+  (XLA; cuDNN on a GPU) on the same model (no sinks/softcap/window there).
+  `total_steps` sets the optimizer schedule (pass the training run's to
+  reuse its compiled step); `notes` adds text after an impl's row."""
   stream = stream or sys.stdout
-  impls = ["fold", "jax:xla"]
-  if _gpu_capability() is not None:
-    impls.append("jax:cudnn")
+  if impls is None:
+    impls = ["fold", "jax:xla"]
+    if _gpu_capability() is not None:
+      impls.append("jax:cudnn")
   rows = []
   for impl in impls:
     c = dataclasses.replace(cfg, impl=impl, use_sinks=False, softcap=0.0,
                             sliding_window=None)
     try:
-      model, tx, step_fn = _setup(c, lr, steps)
+      model, tx, step_fn = _setup(c, lr, total_steps or steps)
       params = init_params(model, seq_len)
       opt_state = tx.init(params)
       it = batches(data, seq_len, batch)
@@ -429,8 +557,59 @@ def compare_attention(cfg: LMConfig, data, *, seq_len, batch, lr,
       rows.append((impl, steps * batch * seq_len / (time.perf_counter() - t0)))
     except Exception as e:  # report and go on (e.g. cuDNN unavailable)
       rows.append((impl, f"failed: {type(e).__name__}: {str(e)[:120]}"))
-    stream.write(f"  {impl:<10} {rows[-1][1] if isinstance(rows[-1][1], str) else f'{rows[-1][1]:,.0f} tok/s'}\n")
+    note = (notes or {}).get(impl, "")
+    stream.write(f"  {impl:<10} {_fmt_rate(rows[-1][1])}{note}\n")
     stream.flush()
+  return rows
+
+
+_TIMES_TAG = "jax_api.train times: "
+
+
+def _compare_without_det(impls: Sequence[str], size: str, steps: int,
+                         seq_len: int, batch: int, lr: float, dtype: str,
+                         backend: str, det_steps: int = 2, seed: int = 0,
+                         timeout_s: float = 300.0,
+                         stream=None) -> list[tuple[str, Any]]:
+  """Times `impls` in a child process whose XLA_FLAGS has no deterministic
+  ops flag (XLA flags are per process) and, with "fold" among them, re-runs
+  `det_steps` training steps there twice (the model's determinism without
+  the flag); prints and returns the timing rows."""
+  stream = stream or sys.stdout
+  cmd = [sys.executable, "-m", "jax_api.train", "--time-impls",
+         ",".join(impls), "--no-xla-deterministic", "--size", size,
+         "--steps", str(steps), "--seq-len", str(seq_len), "--batch",
+         str(batch), "--lr", repr(lr), "--dtype", dtype, "--backend", backend,
+         "--det-steps", str(det_steps), "--seed", str(seed)]
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = _without_det_flags(env.get("XLA_FLAGS", ""))
+  # This process keeps its GPU memory pool (by default 75% of the GPU):
+  # the child allocates what it uses rather than a fraction up front.
+  if not any(k in env for k in ("XLA_PYTHON_CLIENT_PREALLOCATE",
+                                "XLA_PYTHON_CLIENT_MEM_FRACTION",
+                                "XLA_PYTHON_CLIENT_ALLOCATOR")):
+    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+  try:
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                          timeout=timeout_s)
+    line = [l for l in proc.stdout.splitlines() if l.startswith(_TIMES_TAG)]
+    if proc.returncode != 0 or not line:
+      tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [""]
+      raise RuntimeError(f"exit {proc.returncode}: {tail[0][:160]}")
+    res = json.loads(line[-1][len(_TIMES_TAG):])
+    rows, det = [tuple(r) for r in res["rows"]], res["fold_determinism"]
+  except Exception as e:
+    rows = [(impl, f"failed: {type(e).__name__}: {str(e)[:160]}")
+            for impl in impls]
+    det = None
+  for impl, v in rows:
+    note = ("  (cuDNN's default backward)" if impl == "jax:cudnn"
+            else "")
+    stream.write(f"  {impl:<10} {_fmt_rate(v)}{note}\n")
+  if det is not None:
+    stream.write(f"  fold determinism without the flag: "
+                 f"{'PASS' if det[0] else 'FAIL'}: {det[1]}\n")
+  stream.flush()
   return rows
 
 
@@ -465,12 +644,20 @@ def _parse(argv):
                  help="steps of the determinism re-run (0 skips it)")
   p.add_argument("--compare", action="store_true",
                  help="also time foldax vs jax.nn.dot_product_attention")
+  p.add_argument("--xla-deterministic", action=argparse.BooleanOptionalAction,
+                 default=True,
+                 help="add --xla_gpu_deterministic_ops=true to XLA_FLAGS "
+                 "before JAX initialises (default: on; an explicit setting "
+                 "in XLA_FLAGS wins)")
+  p.add_argument("--time-impls", default=None, help=argparse.SUPPRESS)
   p.add_argument("--seed", type=int, default=0)
   return p.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
   args = _parse(argv)
+  # Before anything initialises the JAX backend (jax.devices() below).
+  xla_det = enable_xla_deterministic_ops(args.xla_deterministic)
   t0 = time.perf_counter()
   on_gpu = _gpu_capability() is not None
   size = args.size if args.size != "auto" else ("large" if on_gpu else "small")
@@ -488,13 +675,29 @@ def main(argv: Sequence[str] | None = None) -> int:
                  **{k: preset[k] for k in _MODEL_KEYS},
                  sliding_window=args.window, use_sinks=args.sinks,
                  softcap=args.softcap, dtype=dtype, backend=backend)
-  n_params = None
+  if args.time_impls:  # the child of --compare (see _compare_without_det)
+    impls = args.time_impls.split(",")
+    rows = compare_attention(cfg, data, seq_len=seq_len, batch=batch, lr=lr,
+                             impls=impls, total_steps=steps,
+                             stream=sys.stderr)
+    det = None
+    if "fold" in impls and args.det_steps > 0:  # reuses the timed step
+      det = check_determinism(
+          dataclasses.replace(cfg, use_sinks=False, softcap=0.0,
+                              sliding_window=None),
+          data, steps=args.det_steps, seq_len=seq_len, batch=batch, lr=lr,
+          seed=args.seed, total_steps=steps)
+    print(_TIMES_TAG + json.dumps({"rows": rows, "fold_determinism": det}),
+          flush=True)
+    return 0
   dev = jax.devices()[0]
   print(f"foldax train: {dev.platform} ({dev.device_kind}), backend "
         f"{backend}, size {size} (d_model {cfg.d_model}, {cfg.num_layers} "
         f"layers, {cfg.num_heads} heads / {cfg.num_kv_heads} kv heads), "
         f"{dtype}, seq_len {seq_len}, batch {batch}, {steps} steps, corpus "
         f"{len(text):,} chars (vocab {tok.vocab_size})", flush=True)
+  print(f"XLA deterministic ops: {xla_det.detail}"
+        + ("" if on_gpu else "; no effect on CPU"), flush=True)
   res = train(cfg, data, steps=steps, seq_len=seq_len, batch=batch, lr=lr,
               seed=args.seed)
   n_params = sum(x.size for x in jax.tree.leaves(res.params))
@@ -524,11 +727,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     ok, detail = check_determinism(cfg, data, steps=args.det_steps,
                                    seq_len=seq_len, batch=batch, lr=lr,
                                    seed=args.seed, total_steps=steps)
-    print(f"determinism: {'PASS' if ok else 'FAIL'}: {detail}")
+    print(f"determinism: {'PASS' if ok else 'FAIL'}: {detail}"
+          + ("" if xla_det.on or not on_gpu else
+             " (XLA deterministic ops were off)"), flush=True)
   if args.compare:
+    state = "on" if xla_det.on else "off"
+    cudnn = ""
+    if on_gpu:
+      cudnn = ("; cuDNN's backward runs its deterministic algorithm" if
+               xla_det.on else "; cuDNN's default backward")
     print(f"attention comparison (training tokens/s, seq_len {seq_len}, "
-          f"batch {batch}):")
-    compare_attention(cfg, data, seq_len=seq_len, batch=batch, lr=lr)
+          f"batch {batch}; XLA deterministic ops {state}{cudnn}):",
+          flush=True)
+    compare_attention(cfg, data, seq_len=seq_len, batch=batch, lr=lr,
+                      total_steps=steps)
+    if on_gpu and xla_det.on:
+      print("  without XLA deterministic ops (a separate process: XLA flags "
+            "are per process):", flush=True)
+      _compare_without_det(["fold", "jax:cudnn"], size, steps,
+                           seq_len, batch, lr, dtype, backend,
+                           det_steps=max(0, min(args.det_steps, 2)),
+                           seed=args.seed)
   print(f"total {time.perf_counter() - t0:.1f} s", flush=True)
   return 0 if ok else 1
 

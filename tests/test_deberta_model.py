@@ -14,7 +14,8 @@ import pytest
 from jax_api.deberta.convert import (from_hf,
                                      from_hf_for_sequence_classification,
                                      from_hf_nnx, to_hf_state_dict)
-from jax_api.deberta.modules import DebertaV2Config, linen_params
+from jax_api.deberta.modules import (DebertaV2Config, DebertaV2Model,
+                                     linen_params)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -179,6 +180,39 @@ def test_hf_parity_other_options_xla_backend():
   out, grads = _jax_forward_backward(model, params, ids, mask, w,
                                      token_type_ids=jnp.asarray(tt))
   _compare(out, ref_out, grads, ref_grads, mask)
+  # Packed: the conv never reads across sequences.
+  valid = mask.astype(bool)
+  cu = jnp.asarray(np.concatenate([[0], np.cumsum(LENGTHS)]), jnp.int32)
+  out_p = jax.jit(functools.partial(model.apply, max_seqlen=SEQ))(
+      {"params": params}, jnp.asarray(ids[valid]),
+      token_type_ids=jnp.asarray(tt[valid]), cu_seqlens=cu)
+  np.testing.assert_allclose(np.asarray(out_p), out[valid], atol=1e-5,
+                             rtol=0)
+
+
+def test_precision_reaches_every_matmul():
+  # precision="highest" is what float32 parity with PyTorch needs on a GPU
+  # (XLA's default float32 matmul there is TF32); CPU ignores it, so check
+  # the program: every dot of the forward and backward asks for HIGHEST.
+  cfg = DebertaV2Config.from_hf(_hf_config(
+      conv_kernel_size=3, conv_groups=2, embedding_size=24,
+      position_biased_input=True, type_vocab_size=2))
+  ids = jnp.ones((2, 8), jnp.int32)
+  mask = jnp.ones((2, 8), jnp.int32)
+
+  def dots(precision):
+    model = DebertaV2Model(config=cfg, attention_backend="xla",
+                           precision=precision)
+    params = jax.eval_shape(model.init, jax.random.key(0), ids, mask)
+    loss = lambda p: jnp.sum(model.apply(p, ids, mask) ** 2)
+    hlo = jax.jit(jax.grad(loss)).lower(params).as_text()
+    lines = [l for l in hlo.splitlines()
+             if "dot_general" in l or "convolution" in l]
+    assert lines
+    return lines
+
+  assert all("HIGHEST" in l for l in dots("highest"))
+  assert not all("HIGHEST" in l for l in dots(None))  # the test has teeth
 
 
 def test_config_round_trip():
@@ -283,8 +317,99 @@ def test_gpu_hf_parity_pallas_backend():
                    hidden_size=128, intermediate_size=256)
   m = _hf_model(cfg)
   ids, mask, w = _batch(lengths=[500, 300, 0], seq=500, hidden=128)
+  # The reference runs on the CPU in float32: full-precision matmuls
+  # (torch.backends.cuda.matmul.allow_tf32 concerns CUDA tensors only).
+  assert {(p.device.type, p.dtype) for p in m.parameters()} == {
+      ("cpu", torch.float32)}
   ref_out, ref_grads = _hf_forward_backward(m, ids, mask, w)
-  model, params = from_hf(m, attention_backend="pallas")
+  # XLA's default float32 matmul on the GPU is TF32 (~1e-3 off): ask for
+  # full float32 in the model's projections. The attention kernels use
+  # full-precision dots for float32 inputs anyway.
+  model, params = from_hf(m, attention_backend="pallas", precision="highest")
   out, grads = _jax_forward_backward(model, params, ids, mask, w)
-  # float32 on GPU: the kernels keep full fp32 dots (no TF32).
   _compare(out, ref_out, grads, ref_grads, mask)
+  # jax.default_matmul_precision gives the same program (precision=None
+  # follows it).
+  model0, _ = from_hf(m, attention_backend="pallas")
+  with jax.default_matmul_precision("highest"):
+    out0, grads0 = _jax_forward_backward(model0, params, ids, mask, w)
+  _compare(out0, ref_out, grads0, ref_grads, mask)
+
+
+# A fine-tuning step (dropout on, AdamW) run twice from the same state in
+# one process; prints whether every gradient and the parameters have the
+# same bits. argv: attention backend.
+_FINETUNE_TWICE = r"""
+import sys
+import jax, jax.numpy as jnp, numpy as np, optax
+from jax_api.deberta.modules import (DebertaV2Config,
+                                     DebertaV2ForSequenceClassification)
+cfg = DebertaV2Config(
+    vocab_size=1000, hidden_size=128, num_hidden_layers=2,
+    num_attention_heads=2, intermediate_size=256, max_position_embeddings=512,
+    relative_attention=True, position_buckets=256, max_relative_positions=512,
+    pos_att_type=("p2c", "c2p"), norm_rel_ebd="layer_norm",
+    position_biased_input=True, type_vocab_size=2, hidden_dropout_prob=0.1,
+    attention_probs_dropout_prob=0.1, num_labels=2)
+model = DebertaV2ForSequenceClassification(config=cfg,
+                                           attention_backend=sys.argv[1])
+rng = np.random.default_rng(0)
+n, s = 16, 256
+lengths = rng.integers(32, s + 1, n)
+mask = jnp.asarray(np.arange(s)[None] < lengths[:, None], jnp.int32)
+ids = jnp.asarray(rng.integers(1, 1000, (n, s))) * mask  # repeated ids
+tt = jnp.asarray(rng.integers(0, 2, (n, s)))
+labels = jnp.asarray(rng.integers(0, 2, n))
+params = model.init(jax.random.key(0), ids, mask, tt)["params"]
+tx = optax.adamw(1e-3, weight_decay=0.01)
+
+@jax.jit
+def step(params, opt_state, key):
+  def loss_fn(p):
+    logits = model.apply({"params": p}, ids, mask, tt, deterministic=False,
+                         rngs={"dropout": key})
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits, labels).mean()
+  grads = jax.grad(loss_fn)(params)
+  updates, opt_state = tx.update(grads, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state, grads
+
+def run():
+  p, o, key, out = params, tx.init(params), jax.random.key(1), []
+  for _ in range(3):
+    key, sub = jax.random.split(key)
+    p, o, g = step(p, o, sub)
+    out.append(g)
+  return p, out
+
+bits = lambda t: [np.asarray(x).view(np.uint32) for x in jax.tree.leaves(t)]
+a, b = bits(run()), bits(run())
+print("bitwise identical:", all(np.array_equal(x, y) for x, y in zip(a, b)))
+"""
+
+
+def _run_finetune_twice(backend, xla_flags):
+  import os
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {xla_flags}".strip()
+  env["PYTHONPATH"] = os.pathsep.join(
+      [root] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+  r = subprocess.run([sys.executable, "-c", _FINETUNE_TWICE, backend],
+                     env=env, cwd=root, capture_output=True, text=True,
+                     timeout=300)
+  assert r.returncode == 0, r.stderr[-3000:]
+  return r.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_gpu(), reason="needs an NVIDIA GPU")
+def test_gpu_finetune_bitwise_deterministic_with_xla_flag():
+  # The embeddings' gradients are scatter-adds (float atomics on GPU unless
+  # XLA's deterministic ops are on); the attention backward is
+  # deterministic by construction. XLA reads XLA_FLAGS once per process,
+  # hence the child process.
+  out = _run_finetune_twice("pallas", "--xla_gpu_deterministic_ops=true")
+  assert "bitwise identical: True" in out, out

@@ -103,7 +103,8 @@ def to_hf_state_dict(params, *, prefix: str = "") -> dict[str, np.ndarray]:
 
 
 def from_hf(hf_model_or_state_dict, config=None, *, dtype=jnp.float32,
-            param_dtype=jnp.float32, attention_backend: str = "auto"):
+            param_dtype=jnp.float32, attention_backend: str = "auto",
+            precision=None):
   """Converts a transformers DeBERTa-v2/v3 model (or state dict + config).
 
   Args:
@@ -116,6 +117,9 @@ def from_hf(hf_model_or_state_dict, config=None, *, dtype=jnp.float32,
       omitted.
     dtype, param_dtype: computation and parameter dtypes of the module.
     attention_backend: passed to `disentangled_attention`.
+    precision: of the model's matmuls (None: `jax.default_matmul_precision`,
+      TF32 for float32 on recent NVIDIA GPUs; "highest": full float32, as
+      PyTorch computes by default). See `modules._Common`.
 
   Returns:
     (model, params): the linen `DebertaV2Model` and its params, such that
@@ -139,26 +143,28 @@ def from_hf(hf_model_or_state_dict, config=None, *, dtype=jnp.float32,
     config = DebertaV2Config.from_hf(config)
   params = state_dict_to_params(sd, dtype=param_dtype)
   model = DebertaV2Model(config=config, dtype=dtype, param_dtype=param_dtype,
-                         attention_backend=attention_backend)
+                         attention_backend=attention_backend,
+                         precision=precision)
   return model, params
 
 
 def from_hf_for_sequence_classification(hf_model, *, dtype=jnp.float32,
                                         param_dtype=jnp.float32,
-                                        attention_backend: str = "auto"):
+                                        attention_backend: str = "auto",
+                                        precision=None):
   """A transformers `DebertaV2ForSequenceClassification` -> (linen
   `DebertaV2ForSequenceClassification`, params)."""
   config = DebertaV2Config.from_hf(hf_model.config)
   params = state_dict_to_params(hf_model.state_dict(), dtype=param_dtype)
   model = DebertaV2ForSequenceClassification(
       config=config, dtype=dtype, param_dtype=param_dtype,
-      attention_backend=attention_backend)
+      attention_backend=attention_backend, precision=precision)
   return model, params
 
 
 def from_hf_nnx(hf_model_or_state_dict, config=None, *, dtype=jnp.float32,
                 param_dtype=jnp.float32, attention_backend: str = "auto",
-                seed: int = 0):
+                precision=None, seed: int = 0):
   """As `from_hf`, returning a `flax.nnx` `DebertaV2ModelNNX` with the
   converted weights (seed: its dropout stream)."""
   from flax import nnx
@@ -170,5 +176,5 @@ def from_hf_nnx(hf_model_or_state_dict, config=None, *, dtype=jnp.float32,
   model = DebertaV2ModelNNX(linen_model.config, dtype=dtype,
                             param_dtype=param_dtype,
                             attention_backend=attention_backend,
-                            rngs=nnx.Rngs(seed))
+                            precision=precision, rngs=nnx.Rngs(seed))
   return load_linen_params(model, params)

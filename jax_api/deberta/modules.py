@@ -14,6 +14,20 @@ and its packed form give the same hidden states on real tokens. Conventions
 differ from HF on padded tokens only: HF's attention averages all values for
 a fully masked query row, here it outputs 0 (the last hidden state of
 padded tokens differs; real tokens agree).
+
+Precision: `precision=` (every module, and `convert.from_hf`) applies to the
+model's matmuls; the default None follows `jax.default_matmul_precision`,
+which on NVIDIA GPUs runs float32 matmuls in TF32. "highest" gives full
+float32 (HF float32 parity within ~1e-5). The attention uses
+full-precision dots for float32 inputs in any case.
+
+Determinism on GPU: the attention backward of the Pallas kernels is
+deterministic by construction, but the embedding lookups (word, position,
+token type) are gathers whose gradients are scatter-adds, which XLA runs
+with float atomics on GPU (as are the gathers in the "xla" attention
+backend's gradient): fine-tuning is bitwise reproducible only with
+XLA_FLAGS containing `--xla_gpu_deterministic_ops=true`, set before JAX
+initialises its backend.
 """
 
 from __future__ import annotations
@@ -130,9 +144,10 @@ class DebertaV2Config:
     return [x.strip() for x in self.norm_rel_ebd.lower().split("|")]
 
 
-def _dense(features, cfg, dtype, param_dtype, use_bias=True, name=None):
-  return nn.Dense(features, use_bias=use_bias, dtype=dtype,
-                  param_dtype=param_dtype, name=name,
+def _dense(features, m: "_Common", use_bias=True, name=None):
+  """nn.Dense with the module `m`'s dtype, param_dtype and precision."""
+  return nn.Dense(features, use_bias=use_bias, dtype=m.dtype,
+                  param_dtype=m.param_dtype, precision=m.precision, name=name,
                   kernel_init=nn.initializers.normal(0.02))
 
 
@@ -142,10 +157,28 @@ def _layer_norm(cfg, dtype, param_dtype, name=None):
 
 
 class _Common(nn.Module):
+  """Attributes shared by the modules (and passed down to their children).
+
+  precision: of the model's matmuls (projections, feed-forward, conv,
+    embed_proj, pooler, classifier), as `nn.Dense`'s: None follows
+    `jax.default_matmul_precision`, which on NVIDIA GPUs (Ampere+) runs
+    float32 matmuls in TF32 (~1e-3 relative error). Pass "highest" for
+    full float32 (e.g. parity with PyTorch, whose float32 matmuls are full
+    precision by default). The attention itself always uses full-precision
+    dots for float32 inputs, whatever this is.
+  """
+
   config: DebertaV2Config
   dtype: Any = jnp.float32  # computation dtype
   param_dtype: Any = jnp.float32
   attention_backend: str = "auto"
+  precision: Any = None
+
+  def _child_kw(self) -> dict:
+    return dict(config=self.config, dtype=self.dtype,
+                param_dtype=self.param_dtype,
+                attention_backend=self.attention_backend,
+                precision=self.precision)
 
 
 class DebertaV2SelfAttention(_Common):
@@ -160,8 +193,7 @@ class DebertaV2SelfAttention(_Common):
   def setup(self):
     cfg = self.config
     all_head = cfg.num_attention_heads * cfg.head_size
-    mk = lambda name, bias=True: _dense(all_head, cfg, self.dtype,
-                                        self.param_dtype, bias, name)
+    mk = lambda name, bias=True: _dense(all_head, self, bias, name)
     self.query_proj = mk("query_proj")
     self.key_proj = mk("key_proj")
     self.value_proj = mk("value_proj")
@@ -229,7 +261,7 @@ class DebertaV2SelfOutput(_Common):
 
   def setup(self):
     cfg = self.config
-    self.dense = _dense(cfg.hidden_size, cfg, self.dtype, self.param_dtype)
+    self.dense = _dense(cfg.hidden_size, self)
     self.LayerNorm = _layer_norm(cfg, self.dtype, self.param_dtype)
     self.dropout = nn.Dropout(cfg.hidden_dropout_prob)
 
@@ -241,9 +273,7 @@ class DebertaV2SelfOutput(_Common):
 class DebertaV2Attention(_Common):
 
   def setup(self):
-    kw = dict(config=self.config, dtype=self.dtype,
-              param_dtype=self.param_dtype,
-              attention_backend=self.attention_backend)
+    kw = self._child_kw()
     self.self = DebertaV2SelfAttention(**kw)
     self.output = DebertaV2SelfOutput(**kw)
 
@@ -258,8 +288,7 @@ class DebertaV2Attention(_Common):
 class DebertaV2Intermediate(_Common):
 
   def setup(self):
-    self.dense = _dense(self.config.intermediate_size, self.config,
-                        self.dtype, self.param_dtype)
+    self.dense = _dense(self.config.intermediate_size, self)
 
   def __call__(self, hidden):
     return activation(self.config.hidden_act)(self.dense(hidden))
@@ -269,7 +298,7 @@ class DebertaV2Output(_Common):
 
   def setup(self):
     cfg = self.config
-    self.dense = _dense(cfg.hidden_size, cfg, self.dtype, self.param_dtype)
+    self.dense = _dense(cfg.hidden_size, self)
     self.LayerNorm = _layer_norm(cfg, self.dtype, self.param_dtype)
     self.dropout = nn.Dropout(cfg.hidden_dropout_prob)
 
@@ -281,9 +310,7 @@ class DebertaV2Output(_Common):
 class DebertaV2Layer(_Common):
 
   def setup(self):
-    kw = dict(config=self.config, dtype=self.dtype,
-              param_dtype=self.param_dtype,
-              attention_backend=self.attention_backend)
+    kw = self._child_kw()
     self.attention = DebertaV2Attention(**kw)
     self.intermediate = DebertaV2Intermediate(**kw)
     self.output = DebertaV2Output(**kw)
@@ -302,28 +329,30 @@ class _LayerCollection(_Common):
 
   def setup(self):
     self.layers = [
-        DebertaV2Layer(config=self.config, dtype=self.dtype,
-                       param_dtype=self.param_dtype,
-                       attention_backend=self.attention_backend, name=str(i))
+        DebertaV2Layer(**self._child_kw(), name=str(i))
         for i in range(self.config.num_hidden_layers)]
 
   def __call__(self, i, *args, **kwargs):
     return self.layers[i](*args, **kwargs)
 
 
-def _same_sequence_shift(x, shift, cu_seqlens):
+def _same_sequence_shift(x, shift: int, cu_seqlens):
   """x shifted by `shift` tokens along the sequence axis, zero where the
   source token is outside the sequence. x: [batch, seq, c] or packed
-  [total, c] (with cu_seqlens)."""
+  [total, c] (with cu_seqlens). A pad and a static slice, not a gather: the
+  gradient is a slice too (a gather's is a scatter-add, float atomics on
+  GPU)."""
   axis = x.ndim - 2
   n = x.shape[axis]
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (max(-shift, 0), max(shift, 0))
+  y = jax.lax.slice_in_dim(jnp.pad(x, widths), max(shift, 0),
+                           max(shift, 0) + n, axis=axis)
+  if cu_seqlens is None:
+    return y
   idx = jnp.arange(n) + shift
-  inside = (idx >= 0) & (idx < n)
-  if cu_seqlens is not None:
-    sid = jnp.searchsorted(cu_seqlens, jnp.arange(n), side="right")
-    src = jnp.clip(idx, 0, n - 1)
-    inside &= sid[src] == sid
-  y = jnp.take(x, jnp.clip(idx, 0, n - 1), axis=axis)
+  sid = jnp.searchsorted(cu_seqlens, jnp.arange(n), side="right")
+  inside = (idx >= 0) & (idx < n) & (sid[jnp.clip(idx, 0, n - 1)] == sid)
   return jnp.where(inside[:, None], y, 0)
 
 
@@ -346,7 +375,7 @@ class _ConvParams(nn.Module):
     return kernel, bias
 
 
-def _conv1d(cfg, kernel, bias, hidden, cu_seqlens, dtype):
+def _conv1d(cfg, kernel, bias, hidden, cu_seqlens, dtype, precision=None):
   """HF's Conv1d (padding (k - 1) // 2, groups) along the sequence, never
   reading across packed sequences. kernel [k, hidden / groups, hidden]."""
   ks, groups, c = cfg.conv_kernel_size, cfg.conv_groups, cfg.hidden_size
@@ -359,7 +388,7 @@ def _conv1d(cfg, kernel, bias, hidden, cu_seqlens, dtype):
     xs = xs.reshape(*xs.shape[:-1], groups, cg)
     # Output channel o = g * cg + p reads input channels of group g.
     w = kernel[t].reshape(cg, groups, cg).transpose(1, 0, 2)  # [g, in, p]
-    out = out + jnp.einsum("...gi,gip->...gp", xs, w,
+    out = out + jnp.einsum("...gi,gip->...gp", xs, w, precision=precision,
                            preferred_element_type=jnp.float32).reshape(
                                out.shape)
   return (out + bias).astype(dtype)
@@ -377,7 +406,8 @@ class ConvLayer(_Common):
     ks, groups, c = cfg.conv_kernel_size, cfg.conv_groups, cfg.hidden_size
     cg = c // groups
     kernel, bias = _ConvParams(ks, cg, c, self.param_dtype, name="conv")()
-    out = _conv1d(cfg, kernel, bias, hidden, cu_seqlens, self.dtype)
+    out = _conv1d(cfg, kernel, bias, hidden, cu_seqlens, self.dtype,
+                  self.precision)
     m = input_mask[..., None].astype(out.dtype)
     out = out * m
     out = activation(cfg.conv_act)(
@@ -394,8 +424,7 @@ class DebertaV2Encoder(_Common):
 
   def setup(self):
     cfg = self.config
-    kw = dict(config=cfg, dtype=self.dtype, param_dtype=self.param_dtype,
-              attention_backend=self.attention_backend)
+    kw = self._child_kw()
     self.layer = _LayerCollection(**kw)
     if cfg.relative_attention:
       self.rel_embeddings = nn.Embed(
@@ -405,8 +434,7 @@ class DebertaV2Encoder(_Common):
     if "layer_norm" in cfg.norm_rel_ebd_list:
       self.LayerNorm = _layer_norm(cfg, self.dtype, self.param_dtype)
     if cfg.conv_kernel_size > 0:
-      self.conv = ConvLayer(config=cfg, dtype=self.dtype,
-                            param_dtype=self.param_dtype)
+      self.conv = ConvLayer(**kw)
 
   def get_rel_embedding(self):
     cfg = self.config
@@ -454,8 +482,7 @@ class DebertaV2Embeddings(_Common):
     if cfg.type_vocab_size > 0:
       self.token_type_embeddings = emb(cfg.type_vocab_size)
     if esize != cfg.hidden_size:
-      self.embed_proj = _dense(cfg.hidden_size, cfg, self.dtype,
-                               self.param_dtype, use_bias=False)
+      self.embed_proj = _dense(cfg.hidden_size, self, use_bias=False)
     self.LayerNorm = _layer_norm(cfg, self.dtype, self.param_dtype)
     self.dropout = nn.Dropout(cfg.hidden_dropout_prob)
 
@@ -496,9 +523,7 @@ class DebertaV2Model(_Common):
   """
 
   def setup(self):
-    kw = dict(config=self.config, dtype=self.dtype,
-              param_dtype=self.param_dtype,
-              attention_backend=self.attention_backend)
+    kw = self._child_kw()
     self.embeddings = DebertaV2Embeddings(**kw)
     self.encoder = DebertaV2Encoder(**kw)
 
@@ -537,8 +562,7 @@ class ContextPooler(_Common):
 
   def setup(self):
     cfg = self.config
-    self.dense = _dense(cfg.pooler_hidden_size or cfg.hidden_size, cfg,
-                        self.dtype, self.param_dtype)
+    self.dense = _dense(cfg.pooler_hidden_size or cfg.hidden_size, self)
     self.dropout = nn.Dropout(cfg.pooler_dropout)
 
   def __call__(self, hidden, deterministic=True):
@@ -551,13 +575,10 @@ class DebertaV2ForSequenceClassification(_Common):
   classifier); returns logits [batch, num_labels]. Padded input only."""
 
   def setup(self):
-    kw = dict(config=self.config, dtype=self.dtype,
-              param_dtype=self.param_dtype,
-              attention_backend=self.attention_backend)
+    kw = self._child_kw()
     self.deberta = DebertaV2Model(**kw)
     self.pooler = ContextPooler(**kw)
-    self.classifier = _dense(self.config.num_labels, self.config, self.dtype,
-                             self.param_dtype)
+    self.classifier = _dense(self.config.num_labels, self)
     self.dropout = nn.Dropout(self.config.hidden_dropout_prob)
 
   def __call__(self, input_ids, attention_mask=None, token_type_ids=None, *,
@@ -579,9 +600,10 @@ class DebertaV2ForSequenceClassification(_Common):
 from flax import nnx  # noqa: E402
 
 
-def _nnx_linear(n_in, n_out, dtype, param_dtype, rngs, bias=True):
+def _nnx_linear(n_in, n_out, dtype, param_dtype, rngs, bias=True,
+                precision=None):
   return nnx.Linear(n_in, n_out, use_bias=bias, dtype=dtype,
-                    param_dtype=param_dtype,
+                    param_dtype=param_dtype, precision=precision,
                     kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
 
 
@@ -599,14 +621,14 @@ class DebertaV2SelfAttentionNNX(nnx.Module):
 
   def __init__(self, config: DebertaV2Config, *, dtype=jnp.float32,
                param_dtype=jnp.float32, attention_backend: str = "auto",
-               rngs: nnx.Rngs):
+               precision=None, rngs: nnx.Rngs):
     cfg = config
     self.config = cfg
     self.dtype = dtype
     self.attention_backend = attention_backend
     all_head = cfg.num_attention_heads * cfg.head_size
     mk = lambda: _nnx_linear(cfg.hidden_size, all_head, dtype, param_dtype,
-                             rngs)
+                             rngs, precision=precision)
     self.query_proj = mk()
     self.key_proj = mk()
     self.value_proj = mk()
@@ -639,8 +661,9 @@ class DebertaV2SelfAttentionNNX(nnx.Module):
 class _DenseLayerNormNNX(nnx.Module):
   """HF SelfOutput / Output: dense, dropout, LayerNorm(h + residual)."""
 
-  def __init__(self, cfg, n_in, dtype, param_dtype, rngs):
-    self.dense = _nnx_linear(n_in, cfg.hidden_size, dtype, param_dtype, rngs)
+  def __init__(self, cfg, n_in, dtype, param_dtype, rngs, precision=None):
+    self.dense = _nnx_linear(n_in, cfg.hidden_size, dtype, param_dtype, rngs,
+                             precision=precision)
     self.LayerNorm = _nnx_layer_norm(cfg, dtype, param_dtype, rngs)
     self.dropout = nnx.Dropout(cfg.hidden_dropout_prob, rngs=rngs)
 
@@ -651,12 +674,13 @@ class _DenseLayerNormNNX(nnx.Module):
 
 class _AttentionNNX(nnx.Module):
 
-  def __init__(self, cfg, dtype, param_dtype, backend, rngs):
+  def __init__(self, cfg, dtype, param_dtype, backend, rngs, precision=None):
     self.self = DebertaV2SelfAttentionNNX(
         cfg, dtype=dtype, param_dtype=param_dtype, attention_backend=backend,
-        rngs=rngs)
+        precision=precision, rngs=rngs)
     self.output = _DenseLayerNormNNX(cfg, cfg.num_attention_heads *
-                                     cfg.head_size, dtype, param_dtype, rngs)
+                                     cfg.head_size, dtype, param_dtype, rngs,
+                                     precision)
 
   def __call__(self, hidden, attention_mask, rel, *, cu_seqlens=None,
                max_seqlen=None, deterministic=None):
@@ -667,10 +691,10 @@ class _AttentionNNX(nnx.Module):
 
 class _IntermediateNNX(nnx.Module):
 
-  def __init__(self, cfg, dtype, param_dtype, rngs):
+  def __init__(self, cfg, dtype, param_dtype, rngs, precision=None):
     self.act = cfg.hidden_act
     self.dense = _nnx_linear(cfg.hidden_size, cfg.intermediate_size, dtype,
-                             param_dtype, rngs)
+                             param_dtype, rngs, precision=precision)
 
   def __call__(self, hidden):
     return activation(self.act)(self.dense(hidden))
@@ -678,11 +702,13 @@ class _IntermediateNNX(nnx.Module):
 
 class _LayerNNX(nnx.Module):
 
-  def __init__(self, cfg, dtype, param_dtype, backend, rngs):
-    self.attention = _AttentionNNX(cfg, dtype, param_dtype, backend, rngs)
-    self.intermediate = _IntermediateNNX(cfg, dtype, param_dtype, rngs)
+  def __init__(self, cfg, dtype, param_dtype, backend, rngs, precision=None):
+    self.attention = _AttentionNNX(cfg, dtype, param_dtype, backend, rngs,
+                                   precision)
+    self.intermediate = _IntermediateNNX(cfg, dtype, param_dtype, rngs,
+                                         precision)
     self.output = _DenseLayerNormNNX(cfg, cfg.intermediate_size, dtype,
-                                     param_dtype, rngs)
+                                     param_dtype, rngs, precision)
 
   def __call__(self, hidden, attention_mask, rel, *, cu_seqlens=None,
                max_seqlen=None, deterministic=None):
@@ -704,9 +730,10 @@ class _ConvParamsNNX(nnx.Module):
 
 class _ConvLayerNNX(nnx.Module):
 
-  def __init__(self, cfg, dtype, param_dtype, rngs):
+  def __init__(self, cfg, dtype, param_dtype, rngs, precision=None):
     self.config = cfg
     self.dtype = dtype
+    self.precision = precision
     self.conv = _ConvParamsNNX(cfg, param_dtype, rngs)
     self.LayerNorm = _nnx_layer_norm(cfg, dtype, param_dtype, rngs)
     self.dropout = nnx.Dropout(cfg.hidden_dropout_prob, rngs=rngs)
@@ -715,7 +742,7 @@ class _ConvLayerNNX(nnx.Module):
                deterministic=None):
     cfg = self.config
     out = _conv1d(cfg, self.conv.kernel[...], self.conv.bias[...], hidden,
-                  cu_seqlens, self.dtype)
+                  cu_seqlens, self.dtype, self.precision)
     m = input_mask[..., None].astype(out.dtype)
     out = activation(cfg.conv_act)(self.dropout(out * m,
                                                 deterministic=deterministic))
@@ -727,11 +754,12 @@ class DebertaV2EncoderNNX(nnx.Module):
 
   def __init__(self, config: DebertaV2Config, *, dtype=jnp.float32,
                param_dtype=jnp.float32, attention_backend: str = "auto",
-               rngs: nnx.Rngs):
+               precision=None, rngs: nnx.Rngs):
     cfg = config
     self.config = cfg
     self.layer = nnx.List([
-        _LayerNNX(cfg, dtype, param_dtype, attention_backend, rngs)
+        _LayerNNX(cfg, dtype, param_dtype, attention_backend, rngs,
+                  precision)
         for _ in range(cfg.num_hidden_layers)])
     if cfg.relative_attention:
       self.rel_embeddings = nnx.Embed(
@@ -741,7 +769,7 @@ class DebertaV2EncoderNNX(nnx.Module):
     if "layer_norm" in cfg.norm_rel_ebd_list:
       self.LayerNorm = _nnx_layer_norm(cfg, dtype, param_dtype, rngs)
     if cfg.conv_kernel_size > 0:
-      self.conv = _ConvLayerNNX(cfg, dtype, param_dtype, rngs)
+      self.conv = _ConvLayerNNX(cfg, dtype, param_dtype, rngs, precision)
 
   def get_rel_embedding(self):
     cfg = self.config
@@ -777,7 +805,7 @@ class DebertaV2EncoderNNX(nnx.Module):
 
 class _EmbeddingsNNX(nnx.Module):
 
-  def __init__(self, cfg, dtype, param_dtype, rngs):
+  def __init__(self, cfg, dtype, param_dtype, rngs, precision=None):
     self.config = cfg
     esize = cfg.embedding_size or cfg.hidden_size
     emb = lambda n: nnx.Embed(n, esize, dtype=dtype, param_dtype=param_dtype,
@@ -790,7 +818,8 @@ class _EmbeddingsNNX(nnx.Module):
       self.token_type_embeddings = emb(cfg.type_vocab_size)
     if esize != cfg.hidden_size:
       self.embed_proj = _nnx_linear(esize, cfg.hidden_size, dtype,
-                                    param_dtype, rngs, bias=False)
+                                    param_dtype, rngs, bias=False,
+                                    precision=precision)
     self.LayerNorm = _nnx_layer_norm(cfg, dtype, param_dtype, rngs)
     self.dropout = nnx.Dropout(cfg.hidden_dropout_prob, rngs=rngs)
 
@@ -818,12 +847,13 @@ class DebertaV2ModelNNX(nnx.Module):
 
   def __init__(self, config: DebertaV2Config, *, dtype=jnp.float32,
                param_dtype=jnp.float32, attention_backend: str = "auto",
-               rngs: nnx.Rngs):
+               precision=None, rngs: nnx.Rngs):
     self.config = config
-    self.embeddings = _EmbeddingsNNX(config, dtype, param_dtype, rngs)
+    self.embeddings = _EmbeddingsNNX(config, dtype, param_dtype, rngs,
+                                     precision)
     self.encoder = DebertaV2EncoderNNX(
         config, dtype=dtype, param_dtype=param_dtype,
-        attention_backend=attention_backend, rngs=rngs)
+        attention_backend=attention_backend, precision=precision, rngs=rngs)
 
   def __call__(self, input_ids, attention_mask=None, token_type_ids=None,
                position_ids=None, *, cu_seqlens=None, max_seqlen=None,
