@@ -174,6 +174,35 @@ def _grads(fn, *args):
   return (out,) + tuple(vjp(args[-1]))
 
 
+GRAD_NAMES = ("out", "dq", "dk", "dv")
+
+
+def _bit_mismatches(what, got, want, names=GRAD_NAMES):
+  """One line per array of `got` whose bits differ from `want`'s: its name,
+  how many elements differ, and the largest difference."""
+  lines = []
+  for name, a, b in zip(names, got, want):
+    a, b = np.asarray(a), np.asarray(b)
+    if a.shape != b.shape or a.dtype != b.dtype:
+      lines.append(f"{what}: {name} is {a.dtype}{list(a.shape)}, expected "
+                   f"{b.dtype}{list(b.shape)}")
+      continue
+    u = f"u{a.dtype.itemsize}"
+    diff = a.view(u) != b.view(u)
+    n = int(diff.sum())
+    if n:
+      d = np.abs(a.astype(np.float64) - b.astype(np.float64))[diff]
+      first = tuple(int(i) for i in np.argwhere(diff)[0])
+      lines.append(f"{what}: {name} differs in {n} of {a.size} elements "
+                   f"(first at {first}, max |diff| {np.nanmax(d):.3g})")
+  return lines
+
+
+def _assert_same_bits(what, got, want, names=GRAD_NAMES):
+  lines = _bit_mismatches(what, got, want, names)
+  assert not lines, "\n".join(lines)
+
+
 @pytest.mark.parametrize("mode", ["atomic", "recompute"])
 def test_backward_bitwise_repeatable_20_runs(mode, monkeypatch):
   monkeypatch.setenv("FOLDAX_DQ_MODE", mode)
@@ -186,10 +215,8 @@ def test_backward_bitwise_repeatable_20_runs(mode, monkeypatch):
       functools.partial(fold_attn_func, causal=True, backend="interpret"),
       q, k, v, do))
   first = fn(q, k, v, do)
-  for _ in range(19):
-    again = fn(q, k, v, do)
-    for a, b in zip(first, again):
-      assert bool(jnp.all(a == b))
+  for i in range(19):
+    _assert_same_bits(f"run {i + 2} vs run 1", fn(q, k, v, do), first)
 
 
 @pytest.mark.parametrize("mode", ["atomic", "recompute"])
@@ -207,8 +234,8 @@ def test_sequence_bits_independent_of_batch_and_packing(mode, monkeypatch):
   alone = _grads(functools.partial(fold_attn_func, **opts),
                  q[1:2], k[1:2], v[1:2], do[1:2])
   batched = _grads(functools.partial(fold_attn_func, **opts), q, k, v, do)
-  for a, b in zip(alone, batched):
-    assert bool(jnp.all(a[0] == b[1]))
+  _assert_same_bits("batched vs alone", [x[1] for x in batched],
+                    [x[0] for x in alone])
 
   # Pack sequence 1 between two others of different lengths.
   other_q = _rand(rng, (13, hq, d), dtype)
@@ -222,8 +249,25 @@ def test_sequence_bits_independent_of_batch_and_packing(mode, monkeypatch):
   cu = jnp.array([0, 13, 13 + s, 13 + s + 22], jnp.int32)
   packed = _grads(functools.partial(fold_attn_varlen_func, cu_seqlens_q=cu,
                                     **opts), pq, pk, pv, pdo)
-  for a, b in zip(alone, packed):
-    assert bool(jnp.all(a[0] == b[13:13 + s]))
+  _assert_same_bits("packed vs alone", [x[13:13 + s] for x in packed],
+                    [x[0] for x in alone])
+
+
+def test_grid_exponent_matches_frexp():
+  """The atomic dQ's in-kernel grid exponent (float bits) is jnp.frexp's,
+  clipped; pow2 builds exact powers of two."""
+  from pallas_kernels.flash import _preprocess as pre
+  x = jnp.array([0.0, 1e-45, 1e-38, 2.0**-126, 0.3, 0.5, 1.0, 1.5, 2.0,
+                 3e5, 2.0**100, 3e38, np.inf, np.nan], jnp.float32)
+  want = jnp.clip(jnp.frexp(x)[1], pre.E_MIN, pre.E_MAX)
+  e = pre._exponent(x)
+  np.testing.assert_array_equal(np.asarray(e), np.asarray(want))
+  inside = jnp.isfinite(x) & (x <= 2.0 ** pre.E_MAX)
+  assert bool(jnp.all(jnp.where(inside, x, 0) <= pre.pow2(e)))
+  e = jnp.arange(pre.E_MIN, pre.E_MAX + 1, dtype=jnp.int32)
+  for d in (e - pre.DQ_GRID_BITS, pre.DQ_GRID_BITS - e):
+    np.testing.assert_array_equal(np.asarray(pre.pow2(d)),
+                                  np.ldexp(np.float32(1), np.asarray(d)))
 
 
 def test_transforms_jit_vmap_checkpoint_grad():
@@ -318,27 +362,40 @@ def test_gpu_matches_reference_long_gqa():
 @pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize("mode", ["atomic", "recompute"])
 def test_gpu_bitwise_repeatable_and_batch_invariant(mode, monkeypatch):
+  """20 identical runs; sequence 2 alone, inside the batch of 4, and packed
+  at an offset that is no multiple of any tile between sequences of other
+  lengths (plus a tail outside every sequence) gives the same bits."""
   monkeypatch.setenv("FOLDAX_DQ_MODE", mode)
   rng = np.random.default_rng(1)
-  q, do = (_rand(rng, (4, 1024, 8, 128), jnp.bfloat16) for _ in range(2))
-  k, v = (_rand(rng, (4, 1024, 2, 128), jnp.bfloat16) for _ in range(2))
+  s = 1024
+  q, do = (_rand(rng, (4, s, 8, 128), jnp.bfloat16) for _ in range(2))
+  k, v = (_rand(rng, (4, s, 2, 128), jnp.bfloat16) for _ in range(2))
   fn = jax.jit(lambda q, k, v, do: _grads(
       functools.partial(fold_attn_func, causal=True, backend="pallas"),
       q, k, v, do))
   first = fn(q, k, v, do)
-  for _ in range(19):
-    for a, b in zip(first, fn(q, k, v, do)):
-      assert bool(jnp.all(a == b))
-  alone = fn(q[2:3], k[2:3], v[2:3], do[2:3])
-  for a, b in zip(alone, first):
-    assert bool(jnp.all(a[0] == b[2]))
-  cu = jnp.arange(5, dtype=jnp.int32) * 1024
+  for i in range(19):
+    _assert_same_bits(f"[{mode}] B4 run {i + 2} vs run 1", fn(q, k, v, do),
+                      first)
+  alone = [x[0] for x in fn(q[2:3], k[2:3], v[2:3], do[2:3])]
+  _assert_same_bits(f"[{mode}] seq 2 in B4 vs alone (B1)",
+                    [x[2] for x in first], alone)
+  # Packed: 300 tokens of sequence 0, sequence 2, 517 of sequence 3, then a
+  # 29-token tail that belongs to no sequence.
+  lens, tail = (300, s, 517), 29
+  off = lens[0]
+  pack = lambda x: jnp.concatenate(
+      [x[0, :lens[0]], x[2], x[3, :lens[2]], x[1, :tail]])
+  cu = jnp.asarray(np.cumsum((0,) + lens), jnp.int32)
   packed = _grads(functools.partial(fold_attn_varlen_func, cu_seqlens_q=cu,
-                                    max_seqlen_q=1024, causal=True,
+                                    max_seqlen_q=s, causal=True,
                                     backend="pallas"),
-                  *(x.reshape(-1, *x.shape[2:]) for x in (q, k, v, do)))
-  for a, b in zip(alone, packed):
-    assert bool(jnp.all(a[0] == b[2048:3072]))
+                  *(pack(x) for x in (q, k, v, do)))
+  _assert_same_bits(f"[{mode}] seq 2 packed at offset {off} vs alone",
+                    [x[off:off + s] for x in packed], alone)
+  tail_bad = [n for n, x in zip(GRAD_NAMES, packed)
+              if bool(jnp.any(x[sum(lens):] != 0))]
+  assert not tail_bad, f"[{mode}] nonzero rows past cu_seqlens[-1]: {tail_bad}"
 
 
 def test_block_table_override(tmp_path, monkeypatch):

@@ -31,6 +31,12 @@ bound: far below bf16's 2^-9 relative rounding of the stored gradient (the
 bound exceeds |dQ| by the ratio of worst to typical alignment; tests check
 the end-to-end error against the float32 reference).
 
+D_i = dO_i . O_i - dlse_i and e are per-row reductions; they come from the
+fixed-tile Pallas kernels of `pallas_kernels.flash._preprocess`, not from XLA
+(whose reduction order and fusion may follow the batch's total shape), so
+every value a row's gradients depend on is computed the same way whatever
+else is in the batch.
+
 Layouts are those of `pallas_kernels.flash.forward` (packed tokens).
 """
 
@@ -44,49 +50,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.flash import _tiles
+from pallas_kernels.flash import _preprocess, _tiles
 from pallas_kernels.flash._atomics import relaxed_atomic_add
 from pallas_kernels.flash._tiles import LN2, LOG2E, MaskConfig
 from pallas_kernels.flash.config import BlockSizes, head_dim_bucket
 from pallas_kernels.flash.forward import dot_precision
 
-DQ_GRID_BITS = 29  # partial sums stay below 2^29: 4x headroom in int32
-_BOUND_WIDEN = 1.125  # rounding of P and dS before the products
-
-
-def token_sequence_ids(cu_seqlens, total: int):
-  """int32 [total]: the sequence of each packed token; num_seqs for tokens
-  past cu_seqlens[-1] (they belong to no sequence)."""
-  t = jnp.arange(total, dtype=jnp.int32)
-  seq = jnp.searchsorted(cu_seqlens, t, side="right").astype(jnp.int32) - 1
-  return jnp.where(t < cu_seqlens[-1], seq, cu_seqlens.shape[0] - 1)
-
-
-def dq_inverse_grid(softmax_scale: float, k, v, do, delta, cu_seqlens_q,
-                    cu_seqlens_k, group: int):
-  """Per-row inverse grid steps 2^(29 - e), float32 [heads_q, total_q].
-
-  k, v: [total_k, heads_kv, head_dim]; do: [total_q, heads_q, head_dim];
-  delta: float32 [heads_q, total_q] (dO.O minus the lse cotangent).
-  """
-  num_seqs = cu_seqlens_q.shape[0] - 1
-  k_seq = token_sequence_ids(cu_seqlens_k, k.shape[0])
-  q_seq = token_sequence_ids(cu_seqlens_q, do.shape[0])
-  k_abs_max = jnp.max(jnp.abs(k.astype(jnp.float32)), axis=-1)  # [tk, hkv]
-  v_norm = jnp.sqrt(jnp.sum(jnp.square(v.astype(jnp.float32)), axis=-1))
-  # Max is order-free, so these per-(sequence, KV head) bounds are exact.
-  k_max = jax.ops.segment_max(k_abs_max, k_seq, num_segments=num_seqs + 1)
-  v_max = jax.ops.segment_max(v_norm, k_seq, num_segments=num_seqs + 1)
-  k_max = jnp.maximum(k_max, 0.0)
-  v_max = jnp.maximum(v_max, 0.0)
-  k_max_q = jnp.repeat(k_max[q_seq], group, axis=1).T  # [hq, tq]
-  v_max_q = jnp.repeat(v_max[q_seq], group, axis=1).T
-  do_norm = jnp.sqrt(jnp.sum(jnp.square(do.astype(jnp.float32)), axis=-1)).T
-  bound = (softmax_scale * _BOUND_WIDEN) * k_max_q * (
-      do_norm * v_max_q + jnp.abs(delta))
-  _, e = jnp.frexp(bound)  # bound <= 2^e
-  e = jnp.clip(e, -90, 97)
-  return jnp.ldexp(jnp.ones_like(bound), DQ_GRID_BITS - e)
+# D_i and the grid exponents come from `_preprocess` (Pallas, fixed tiles):
+# as XLA reductions their bits could depend on the batch's shape.
+DQ_GRID_BITS = _preprocess.DQ_GRID_BITS
+token_sequence_ids = _preprocess.token_sequence_ids
 
 
 def _backward_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
@@ -318,14 +291,16 @@ def flash_backward(q, k, v, out, lse2, do, cu_seqlens_q, cu_seqlens_k,
   # out/lse were never written) from leaking garbage into dsinks or dq.
   q_in_seq = (token_sequence_ids(cu_seqlens_q, total_q) < num_seqs)[None, :]
   lse2 = jnp.where(q_in_seq, lse2, jnp.inf)
-  delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1).T
-  if dlse is not None:
-    delta = delta - dlse
-  delta = jnp.where(q_in_seq, delta, 0.0)
+  # D = rowsum(dO * O) - dlse (0 outside every sequence) and, for the atomic
+  # dQ, each row's grid exponent: fixed-tile Pallas reductions, so a row's
+  # bits never depend on the batch or packing around it.
+  delta, grid_exp = _preprocess.backward_rows(
+      out, do, dlse, k, v, cu_seqlens_q, cu_seqlens_k,
+      softmax_scale=cfg.scale, max_seqlen_q=max_seqlen_q,
+      max_seqlen_k=max_seqlen_k, with_grid=dq_mode == "atomic",
+      interpret=interpret)
   if dq_mode == "atomic":
-    inv_grid = dq_inverse_grid(cfg.scale, k, v, do, delta, cu_seqlens_q,
-                               cu_seqlens_k, group)
-    inv_grid = jnp.where(q_in_seq, inv_grid, 1.0)
+    inv_grid = _preprocess.pow2(DQ_GRID_BITS - grid_exp)  # 2^(29 - e)
 
   def grouped(x):  # [total, heads_q, ...] -> [total, heads_kv, group, ...]
     return x.reshape(x.shape[0], heads_kv, group, *x.shape[2:])
@@ -388,7 +363,7 @@ def flash_backward(q, k, v, out, lse2, do, cu_seqlens_q, cu_seqlens_k,
 
   if dq_mode == "atomic":
     dq_acc, dk, dv = outs
-    grid_step = 1.0 / inv_grid  # exact: powers of two
+    grid_step = _preprocess.pow2(grid_exp - DQ_GRID_BITS)  # 2^(e - 29)
     dq = dq_acc[:total_q, :, :, :head_dim].reshape(total_q, heads_q, head_dim)
     dq = (dq.astype(jnp.float32) * grid_step.T[:, :, None]).astype(q.dtype)
   else:
