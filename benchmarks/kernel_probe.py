@@ -3,6 +3,12 @@ determinism and a block-size sweep in one process.
 
     python -m benchmarks.kernel_probe --out probe.json \
         [--write-table blocks.json]
+    python -m benchmarks.kernel_probe --fwd-probe --out fwd.json \
+        [--fwd-blocks '128,64,4,2;128,128,8,3']
+
+`--fwd-probe` only times the forward at B2 H16 S8192 D128 causal bf16 for a
+few block configurations next to JAX's Pallas mha (tuned 128/64/4w/2s and
+default 128/128/8w/2s), in about a minute.
 
 `--write-table` writes the fastest configuration per (GPU generation, head
 dim, dtype, mode) as a JSON table; point `FOLDAX_BLOCK_TABLE` at it to use it
@@ -17,6 +23,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import statistics
 import sys
 import time
@@ -201,6 +208,215 @@ def sweep(records, b, s, h, d, causal, fwd_cands, bwd_cands,
   records.append(rec)
 
 
+# Forward candidates timed by --fwd-probe (B2 H16 S8192 D128 causal bf16).
+# 4-warp 128x64 (2 stages) and 64x64 fit two programs per SM (<= 255
+# registers at 128 threads, <= 113 KB shared memory each); the 8-warp ones
+# run one program per SM.
+FWD_PROBE_CONFIGS = ((128, 64, 4, 2), (128, 128, 8, 3), (128, 128, 8, 2),
+                     (128, 64, 8, 3), (64, 64, 4, 3), (256, 64, 8, 2))
+
+
+def _parse_blocks(spec):
+  """'128,64,4,2;128,128,8,3' -> [BlockSizes, ...]."""
+  return [BlockSizes(*(int(x) for x in item.split(",")))
+          for item in spec.replace(" ", "").split(";") if item]
+
+
+def fwd_probe(records, configs, b=2, s=8192, h=16, d=128, causal=True,
+              reps=30, inner=5, out_path=None, interpret=False):
+  """Times our forward for each of `configs` next to JAX's Pallas mha.
+
+  One process, one input set; every record also carries the relative error
+  against mha's output, so a fast but wrong configuration shows. Records are
+  appended (and the JSON rewritten) as they finish.
+  """
+  import warnings
+  dtype = jnp.bfloat16
+  q, k, v, _ = _inputs(b, s, h, h, d, dtype)
+  flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
+  cfg = MaskConfig.make(causal=causal, window_size=(-1, -1),
+                        has_segments=False, softcap=0.0, scale=d ** -0.5)
+  cu = jnp.arange(b + 1, dtype=jnp.int32) * s
+  pq, pk, pv = map(_pack, (q, k, v))
+  shape = dict(b=b, s=s, h=h, d=d, causal=causal, dtype="bfloat16")
+
+  def dump():
+    if out_path:
+      with open(out_path, "w") as f:
+        json.dump(records, f, indent=1)
+
+  ref = None
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    from jax.experimental.pallas.ops.gpu import attention as pattn
+  for name, bq, bk, w, st in (("jax_mha_tuned", 128, 64, 4, 2),
+                              ("jax_mha_default", 128, 128, 8, 2)):
+    try:
+      fn = jax.jit(lambda q, k, v, bq=bq, bk=bk, w=w, st=st: pattn.mha(
+          q, k, v, None, sm_scale=d ** -0.5, causal=causal,
+          block_sizes=pattn.BlockSizes(block_q=bq, block_k=bk),
+          num_warps=w, num_stages=st, interpret=interpret))
+      t0 = time.perf_counter()
+      o = jax.block_until_ready(fn(q, k, v))
+      compile_s = time.perf_counter() - t0
+      if ref is None:
+        ref = o.astype(jnp.float32)
+      ms = _time(fn, q, k, v, reps=reps, inner=inner)
+      rec = dict(kind="fwd_probe", impl=name, **shape,
+                 blocks=dict(block_q=bq, block_k=bk, num_warps=w,
+                             num_stages=st),
+                 ms=ms, tflops=flops / ms / 1e9, compile_s=compile_s)
+    except Exception as e:  # noqa: BLE001
+      rec = dict(kind="fwd_probe", impl=name, error=repr(e)[:300])
+    print(rec, flush=True)
+    records.append(rec)
+    dump()
+  for bs in configs:
+    try:
+      fn = jax.jit(lambda q, k, v, bs=bs: flash_forward(
+          q, k, v, cu, cu, cfg=cfg, blocks=bs, max_seqlen_q=s,
+          interpret=interpret))
+      t0 = time.perf_counter()
+      o, _ = jax.block_until_ready(fn(pq, pk, pv))
+      compile_s = time.perf_counter() - t0
+      err = None
+      if ref is not None:
+        o = o.reshape(ref.shape).astype(jnp.float32)
+        err = float(jnp.linalg.norm(o - ref) / jnp.linalg.norm(ref))
+      ms = _time(fn, pq, pk, pv, reps=reps, inner=inner)
+      rec = dict(kind="fwd_probe", impl="ours", **shape, blocks=bs.__dict__,
+                 ms=ms, tflops=flops / ms / 1e9, compile_s=compile_s,
+                 rel_err_vs_mha=err)
+    except Exception as e:  # noqa: BLE001
+      rec = dict(kind="fwd_probe", impl="ours", blocks=bs.__dict__,
+                 error=repr(e)[:300])
+    print(rec, flush=True)
+    records.append(rec)
+    dump()
+  ok = [r for r in records if r.get("kind") == "fwd_probe" and "ms" in r]
+  for r in sorted(ok, key=lambda r: r["ms"]):
+    bl = r["blocks"]
+    print(f"{r['impl']:16s} {bl['block_q']:4d} {bl['block_k']:4d} "
+          f"w{bl['num_warps']} s{bl['num_stages']}  {r['ms']:.3f} ms  "
+          f"{r['tflops']:6.1f} TFLOP/s", flush=True)
+
+
+def ir_stats(configs, b=2, s=8192, h=16, d=128, causal=True):
+  """CPU-only: what the GPU would run, without a GPU.
+
+  Lowers our forward (and JAX's mha at its two settings) for sm_90 with the
+  GPU query stubbed (as tests/test_dense.py does), compiles the Triton IR
+  with the pip `triton` package's CUDA pipeline (the passes XLA runs for
+  Hopper) and its bundled ptxas, and prints registers, stack (spills) and,
+  for every SASS loop holding an HGMMA, its instruction count and histogram.
+  XLA's own Triton and ptxas may differ in details; use it to compare
+  variants, not to predict times.
+  """
+  import collections
+  import re
+  import subprocess
+  import tempfile
+  import warnings
+  from jax._src.pallas.triton import gpu_info, lowering
+  from jax._src.pallas.triton import pallas_call_registration as reg
+  import triton
+  from triton._C.libtriton import ir
+  from triton.backends.compiler import GPUTarget
+  from triton.backends.nvidia.compiler import CUDABackend
+  from triton.compiler.compiler import IRSource
+  reg.gpu_info_lib.get_gpu_info = lambda *a, **k: gpu_info.GpuInfo(
+      gpu_version=gpu_info.GpuVersion.H200, arch_name="9.0",
+      compute_capability=90)
+  captured = []
+  orig = lowering.lower_jaxpr_to_triton_module
+
+  def capture(*a, **k):
+    r = orig(*a, **k)
+    captured.append(r.module.operation.get_asm(enable_debug_info=False))
+    return r
+  reg.lowering.lower_jaxpr_to_triton_module = capture
+  bindir = os.path.join(os.path.dirname(triton.__file__), "backends",
+                        "nvidia", "bin")
+  target = GPUTarget("cuda", 90, 32)
+  backend = CUDABackend(target)
+  sds = jax.ShapeDtypeStruct
+  cfg = MaskConfig.make(causal=causal, window_size=(-1, -1),
+                        has_segments=False, softcap=0.0, scale=d ** -0.5)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    from jax.experimental.pallas.ops.gpu import attention as pattn
+  jobs = [("jax_mha", BlockSizes(128, 64, 4, 2)),
+          ("jax_mha", BlockSizes(128, 128, 8, 2))]
+  jobs += [("ours", bs) for bs in configs]
+  tmp = tempfile.mkdtemp(prefix="fold_ir_")
+  for impl, bs in jobs:
+    captured.clear()
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore")
+      if impl == "ours":
+        q = sds((b * s, h, d), jnp.bfloat16)
+        cu = sds((b + 1,), jnp.int32)
+        jax.jit(lambda q, k, v, cu, bs=bs: flash_forward(
+            q, k, v, cu, cu, cfg=cfg, blocks=bs, max_seqlen_q=s)).trace(
+                q, q, q, cu).lower(lowering_platforms=("cuda",))
+      else:
+        q = sds((b, s, h, d), jnp.bfloat16)
+        jax.jit(lambda q, k, v, bs=bs: pattn.mha(
+            q, k, v, None, sm_scale=d ** -0.5, causal=causal,
+            block_sizes=pattn.BlockSizes(bs.block_q, bs.block_k),
+            num_warps=bs.num_warps, num_stages=bs.num_stages)).trace(
+                q, q, q).lower(lowering_platforms=("cuda",))
+    name = (f"{impl}_{bs.block_q}_{bs.block_k}_w{bs.num_warps}"
+            f"s{bs.num_stages}")
+    path = os.path.join(tmp, name + ".ttir")
+    with open(path, "w") as f:
+      f.write(captured[0])
+    ctx = ir.context()
+    src = IRSource(path, ctx, backend)
+    mod = src.module
+    mod.context = ctx
+    opts = backend.parse_options(dict(num_warps=bs.num_warps,
+                                      num_stages=bs.num_stages))
+    stages = {}
+    backend.add_stages(stages, opts, src.language)
+    md = {"hash": name, "target": target, **opts.__dict__}
+    for ext, fn in stages.items():
+      mod = fn(mod, md)
+      if ext in ("ttgir", "ptx"):
+        with open(os.path.join(tmp, f"{name}.{ext}"), "w") as f:
+          f.write(str(mod))
+    cubin = os.path.join(tmp, name + ".cubin")
+    with open(cubin, "wb") as f:
+      f.write(mod)
+    usage = subprocess.run([os.path.join(bindir, "cuobjdump"),
+                            "--dump-resource-usage", cubin],
+                           capture_output=True, text=True).stdout
+    res = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+    sass = subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", cubin],
+                          capture_output=True, text=True).stdout
+    ins = [(int(m.group(1), 16), m.group(2).strip())
+           for m in re.finditer(r"/\*([0-9a-f]{4,5})\*/\s+([^;]*);", sass)]
+    at = {a: i for i, (a, _) in enumerate(ins)}
+    loops = []
+    for i, (a, t) in enumerate(ins):
+      m = re.search(r"BRA\s+(?:`\(\.L_x_\d+\)|0x([0-9a-f]+))", t)
+      if m and m.group(1) and int(m.group(1), 16) < a:
+        body = [x for _, x in ins[at[int(m.group(1), 16)]:i + 1]]
+        if any("HGMMA" in x for x in body):
+          ops = collections.Counter(
+              re.sub(r"^@!?U?P\w+\s+", "", x).split()[0].split(".")[0]
+              for x in body)
+          loops.append((len(body), ops))
+    print(f"{name}: regs {res.group(1)} stack {res.group(2)} bytes, "
+          f"shared {md.get('shared')} B", flush=True)
+    for n, ops in loops:
+      top = ", ".join(f"{k} {v}" for k, v in ops.most_common(12))
+      spill = ops.get("LDL", 0) + ops.get("STL", 0)
+      print(f"   loop: {n} instructions, {spill} spill ld/st; {top}",
+            flush=True)
+  print("IR, PTX and cubins in", tmp)
+
+
 def main(argv=None):
   p = argparse.ArgumentParser()
   p.add_argument("--out", default="probe.json")
@@ -208,10 +424,39 @@ def main(argv=None):
   p.add_argument("--sweep", default="small")
   p.add_argument("--write-table", default=None,
                  help="write the fastest blocks as a FOLDAX_BLOCK_TABLE file")
+  p.add_argument("--fwd-probe", action="store_true",
+                 help="only time the forward (B2 H16 S8192 D128 causal bf16) "
+                      "for --fwd-blocks next to JAX's Pallas mha; ~1 min")
+  p.add_argument("--fwd-shape", default="2,8192,16,128",
+                 help="b,s,h,d for --fwd-probe (causal, bf16)")
+  p.add_argument("--interpret", action="store_true",
+                 help="--fwd-probe in interpret mode (CPU smoke test only)")
+  p.add_argument("--fwd-reps", type=int, default=30)
+  p.add_argument("--fwd-blocks", default=None,
+                 help="'bq,bk,warps,stages;...' for --fwd-probe (default: "
+                      "FWD_PROBE_CONFIGS)")
+  p.add_argument("--ir-stats", action="store_true",
+                 help="CPU only: compile the forward for sm_90 with the pip "
+                      "triton package and print registers, spills and the "
+                      "SASS of its loops (needs `triton`; no GPU)")
   a = p.parse_args(argv)
+  if a.ir_stats:
+    ir_stats(_parse_blocks(a.fwd_blocks) if a.fwd_blocks else
+             [BlockSizes(*c) for c in FWD_PROBE_CONFIGS])
+    return
   records = [dict(kind="meta", device=str(jax.devices()[0]),
                   jax=jax.__version__, date=time.strftime("%Y-%m-%d %H:%M"),
                   argv=sys.argv)]
+  if os.environ.get("FOLDAX_GIT_COMMIT"):
+    records[0]["git_commit"] = os.environ["FOLDAX_GIT_COMMIT"]
+  if a.fwd_probe:
+    configs = (_parse_blocks(a.fwd_blocks) if a.fwd_blocks else
+               [BlockSizes(*c) for c in FWD_PROBE_CONFIGS])
+    b, s_, h, d = (int(x) for x in a.fwd_shape.split(","))
+    fwd_probe(records, configs, b=b, s=s_, h=h, d=d, reps=a.fwd_reps,
+              inner=1 if a.interpret else 5, out_path=a.out,
+              interpret=a.interpret)
+    return
   if not a.skip_correctness:
     correctness(records)
   B = BlockSizes

@@ -44,6 +44,22 @@ def dot_precision(dtype):
   return (lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None)
 
 
+def _folded_scale(cfg: MaskConfig):
+  """The base-2 score scale to apply late, or None (soft-cap, scale <= 0).
+
+  Without a soft-cap the scores are qk * c with c = scale * log2(e). For c > 0
+  rounding is monotone, so max_j(round(qk_j * c)) == round(max_j(qk_j) * c):
+  the kernel takes the row max of the raw products and scales only the
+  [block_q] maxima, and p = exp2(qk * c - m) is one FMA per score (the GPU
+  already contracted the old round(qk * c) - m into that FMA). Same values,
+  one multiply per score fewer.
+  """
+  c = cfg.scale * LOG2E
+  if cfg.softcap > 0.0 or not c > 0.0:
+    return None
+  return c
+
+
 def _forward_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, *refs,
                     cfg: MaskConfig, block_q: int, block_k: int, head_dim: int,
                     has_sinks: bool):
@@ -71,13 +87,18 @@ def _forward_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, *refs,
   def _():
     head_mask = _tiles.head_dim_mask(head_dim, d_pad)
     q_pos = q0 + jnp.arange(block_q)
-    q_valid = q_pos < len_q
-    q = _tiles.load(q_ref.at[pl.ds(q_off + q0, block_q), :],
-                   mask=_tiles.mask_and(q_valid[:, None], head_mask), other=0.0)
+    # min() is the identity here (q0 < len_q), but it keeps the q tile's
+    # addresses and row mask distinct from the output store's: identical
+    # expressions are CSE'd into one [block_q, d_pad] offset tensor and mask
+    # kept live across both key loops (at 4 warps that spilled in the loop).
+    q_start = jnp.minimum(q_off + q0, q_ref.shape[0] - 1)
+    q = _tiles.load(q_ref.at[pl.ds(q_start, block_q), :],
+                    mask=_tiles.mask_and((q_pos < len_q)[:, None], head_mask),
+                    other=0.0)
     q_seg = None
     if cfg.has_segments:
       q_seg = _tiles.load(q_seg_ref.at[pl.ds(q_off + q0, block_q)],
-                         mask=q_valid, other=-1)
+                         mask=q_pos < len_q, other=-1)
 
     lo, hi = _tiles.key_range(cfg, q0, block_q, len_q, len_k)
     ulo, uhi = _tiles.unmasked_key_range(cfg, q0, block_q, len_q, len_k,
@@ -86,6 +107,7 @@ def _forward_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, *refs,
       ulo, uhi = hi, hi
     first, n_pre, full_first, n_full, post_first, n_post = _tiles.block_split(
         lo, hi, ulo, uhi, block_k)
+    fold = _folded_scale(cfg)
 
     def step(k_blk, carry, masked: bool):
       acc, m_prev, l_prev = carry
@@ -96,8 +118,10 @@ def _forward_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, *refs,
         kv_mask = _tiles.mask_and((k_pos < len_k)[:, None], head_mask)
       k = _tiles.load(k_ref.at[pl.ds(k_off + k0, block_k), :], mask=kv_mask,
                      other=0.0)
-      s = _tiles.scores_log2(
-          cfg, plgpu.dot(q, k, trans_b=True, precision=precision))
+      qk = plgpu.dot(q, k, trans_b=True, precision=precision)
+      # s: raw products when the base-2 scale is folded (see _folded_scale),
+      # else scores already in the base-2 domain.
+      s = qk if fold is not None else _tiles.scores_log2(cfg, qk)
       if masked:
         k_seg = None
         if cfg.has_segments:
@@ -105,13 +129,19 @@ def _forward_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, *refs,
                              mask=k_pos < len_k, other=-2)
         vis = _tiles.visible(cfg, q_pos, k_pos, len_q, len_k, q_seg, k_seg)
         s = jnp.where(vis, s, -jnp.inf)
-      m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+      row_max = jnp.max(s, axis=1)
+      if fold is not None:
+        row_max = row_max * fold
+      m_next = jnp.maximum(m_prev, row_max)
       if masked:  # a row may still have seen nothing: keep exp2 away from NaN
         m_next_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
       else:
         m_next_safe = m_next
       alpha = jnp.exp2(m_prev - m_next_safe)
-      p = jnp.exp2(s - m_next_safe[:, None])
+      if fold is not None:  # one FMA per score: s * fold - m
+        p = jnp.exp2(s * fold - m_next_safe[:, None])
+      else:
+        p = jnp.exp2(s - m_next_safe[:, None])
       l_next = l_prev * alpha + jnp.sum(p, axis=1)
       v = _tiles.load(v_ref.at[pl.ds(k_off + k0, block_k), :], mask=kv_mask,
                      other=0.0)
@@ -139,6 +169,7 @@ def _forward_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, *refs,
     l_safe = jnp.where(seen, l, 1.0)
     out = acc / l_safe[:, None]
     lse2 = jnp.where(seen, m + jnp.log2(l_safe), jnp.inf)
+    q_valid = jnp.arange(block_q) < len_q - q0  # not q_pos < len_q: see q
     plgpu.store(o_ref.at[pl.ds(q_off + q0, block_q), :],
                 out.astype(o_ref.dtype),
                 mask=_tiles.mask_and(q_valid[:, None], head_mask))
