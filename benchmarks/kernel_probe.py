@@ -33,10 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.flash._tiles import MaskConfig
-from pallas_kernels.flash.backward import flash_backward
 from pallas_kernels.flash.config import BlockSizes, block_sizes_for
 from pallas_kernels.flash.forward import flash_forward
-from pallas_kernels.reference import attention_reference
 
 
 def _time(fn, *args, reps=20, inner=5):
@@ -68,6 +66,9 @@ def _inputs(b, s, hq, hkv, d, dtype, seed=0):
 
 
 def correctness(records):
+  # Imported here so that --fwd-probe / --ir-stats never depend on them.
+  from pallas_kernels.flash.backward import flash_backward
+  from pallas_kernels.reference import attention_reference
   cases = [
       dict(b=1, s=256, hq=2, hkv=2, d=64, causal=False, diag=True),
       dict(b=1, s=256, hq=2, hkv=2, d=64, causal=False, diag=True,
@@ -144,6 +145,7 @@ def correctness(records):
 
 def sweep(records, b, s, h, d, causal, fwd_cands, bwd_cands,
           modes=("atomic", "recompute")):
+  from pallas_kernels.flash.backward import flash_backward
   dtype = jnp.bfloat16
   q, k, v, do = _inputs(b, s, h, h, d, dtype)
   flops_fwd = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
