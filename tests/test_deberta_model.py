@@ -88,14 +88,18 @@ def _jax_forward_backward(model, params, ids, mask, w, **kw):
   return np.asarray(out), to_hf_state_dict(grads)
 
 
-def _compare(out, ref_out, grads, ref_grads, mask):
+def _compare(out, ref_out, grads, ref_grads, mask, grad_scale_tol=0.0):
+  """grad_scale_tol widens each gradient's tolerance by that fraction of its
+  largest magnitude: sums over many tokens (embedding gradients) accumulate
+  in a different order on the GPU, so their error scales with the array."""
   valid = mask.astype(bool)
   np.testing.assert_allclose(out[valid], ref_out[valid], atol=HIDDEN_ATOL,
                              rtol=0)
   assert np.all(np.isfinite(out))
   assert set(ref_grads) <= set(grads)
   for name, g in ref_grads.items():
-    np.testing.assert_allclose(grads[name], g, atol=GRAD_ATOL, rtol=0,
+    atol = GRAD_ATOL + grad_scale_tol * float(np.max(np.abs(g)))
+    np.testing.assert_allclose(grads[name], g, atol=atol, rtol=0,
                                err_msg=name)
 
 
@@ -327,13 +331,15 @@ def test_gpu_hf_parity_pallas_backend():
   # full-precision dots for float32 inputs anyway.
   model, params = from_hf(m, attention_backend="pallas", precision="highest")
   out, grads = _jax_forward_backward(model, params, ids, mask, w)
-  _compare(out, ref_out, grads, ref_grads, mask)
+  # Measured on the H200: embedding gradients (|g| up to ~120, sums over
+  # ~800 tokens) differ from torch-CPU by up to 5e-3 (4e-5 of their scale).
+  _compare(out, ref_out, grads, ref_grads, mask, grad_scale_tol=1e-4)
   # jax.default_matmul_precision gives the same program (precision=None
   # follows it).
   model0, _ = from_hf(m, attention_backend="pallas")
   with jax.default_matmul_precision("highest"):
     out0, grads0 = _jax_forward_backward(model0, params, ids, mask, w)
-  _compare(out0, ref_out, grads0, ref_grads, mask)
+  _compare(out0, ref_out, grads0, ref_grads, mask, grad_scale_tol=1e-4)
 
 
 # A fine-tuning step (dropout on, AdamW) run twice from the same state in

@@ -51,7 +51,7 @@ class BlockSizes:
 # FOLDAX_BLOCK_TABLE override file takes the same keys.
 _TABLE: dict[tuple[int, int, int, str], BlockSizes] = {
     (9, 64, 2, "fwd"): BlockSizes(128, 64, 8, 3),
-    (9, 128, 2, "fwd"): BlockSizes(128, 128, 8, 3),
+    (9, 128, 2, "fwd"): BlockSizes(128, 64, 4, 2),
     (9, 256, 2, "fwd"): BlockSizes(64, 32, 4, 2),
     (9, 64, 4, "fwd"): BlockSizes(64, 32, 4, 2),
     (9, 128, 4, "fwd"): BlockSizes(64, 32, 4, 2),
