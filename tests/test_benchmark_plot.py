@@ -19,7 +19,10 @@ pytest.importorskip("matplotlib")
 
 REPO = Path(__file__).resolve().parents[1]
 H200 = REPO / "benchmarks" / "results" / "h200"
-H200_JSON = H200 / "dense-2026-12-02.json"
+H200_DENSE_DIR = H200 / "2026-12-02"   # the full dense grid of 2026-12-02
+H200_JSON = H200_DENSE_DIR / "dense-2026-12-02.json"
+# The latest run (all suites) and its table/figures at the folder's top.
+H200_LATEST = [H200 / "all-2026-12-03.json", H200 / "deberta-2026-12-03.json"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -63,12 +66,26 @@ def test_committed_results_match_the_json(h200_out):
   """The committed table is what the committed JSON gives (figures too:
   same files exist; pixels may differ across matplotlib versions)."""
   tmp_path, _ = h200_out
+  d = H200_DENSE_DIR
   for name in ("dense_speedup.png", "dense_latency_vs_seqlen.png",
                "dense_memory.png", "table.md"):
-    assert (H200 / name).exists(), f"regenerate: see {H200 / 'table.md'}"
+    assert (d / name).exists(), f"regenerate: see {d / 'table.md'}"
   # same table up to the output-dir line (tmp path vs committed path)
-  strip = lambda s: re.sub(r"--output-dir \S+|\]\([^)]*\.json\)", "", s)
-  assert strip((tmp_path / "table.md").read_text()) == strip(
+  assert _strip((tmp_path / "table.md").read_text()) == _strip(
+      (d / "table.md").read_text())
+
+
+def _strip(s: str) -> str:
+  return re.sub(r"--output-dir \S+|\]\([^)]*\.json\)|benchmarks/results/"
+                r"h200/\S*\.json", "", s)
+
+
+def test_committed_latest_table_matches_its_json(tmp_path):
+  from benchmarks import plot
+  out = plot.plot_all(H200_LATEST, tmp_path)
+  for p in out:
+    assert (H200 / p.name).exists(), f"regenerate: see {H200 / 'table.md'}"
+  assert _strip((tmp_path / "table.md").read_text()) == _strip(
       (H200 / "table.md").read_text())
 
 
