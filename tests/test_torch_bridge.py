@@ -467,6 +467,51 @@ def test_cpu_dlpack_is_zero_copy_both_ways():
   assert torch.equal(tt, torch.full((3, 5), 2.0))
 
 
+def test_cpu_import_hands_over_the_tensor_itself():
+  """No `.detach()` alias (its resurrected PyObject would make the capsule's
+  deleter need the GIL): requires_grad tensors import zero-copy and keep
+  their autograd state; non-contiguous ones are copied."""
+  target = rt.target_for(torch.device("cpu"), torch.float32)
+  t = torch.randn(4, 8, requires_grad=True)
+  h = t * 2  # a non-leaf with a graph
+  imp = rt.Importer(target)
+  a, b = imp(t), imp(h)
+  assert a.unsafe_buffer_pointer() == t.data_ptr()
+  assert b.unsafe_buffer_pointer() == h.data_ptr()
+  assert t.requires_grad and t.grad_fn is None and h.grad_fn is not None
+  assert torch.equal(torch.from_dlpack(b), h.detach())
+  nc = torch.randn(8, 4).t()
+  c = imp(nc)
+  assert c.shape == (4, 8) and torch.equal(torch.from_dlpack(c), nc)
+  assert imp(None) is None
+  (g,) = torch.autograd.grad(h.sum(), t)  # the graph is untouched
+  assert torch.equal(g, torch.full_like(t, 2.0))
+
+
+def test_static_options_cache_still_validates():
+  """fold_attn_func's cache of validated options: a repeated call gives the
+  same bits; calls that differ in anything validated are checked again."""
+  from torch_bridge import attention as A
+  q, k, v = _qkv(1, 8, 8, 4, 2, 16, grad=False)
+  A._dense_statics.clear()
+  o1 = tb.fold_attn_func(q, k, v, causal=True, softcap=1.0)
+  o2 = tb.fold_attn_func(q, k, v, causal=True, softcap=1.0)
+  assert torch.equal(o1, o2) and len(A._dense_statics) == 1
+  for _ in range(2):
+    with pytest.raises(TypeError, match="softcap"):
+      tb.fold_attn_func(q, k, v, causal=True, softcap=True)
+    with pytest.raises(TypeError, match="window_size"):
+      tb.fold_attn_func(q, k, v, window_size=(True, -1))
+    with pytest.raises(ValueError, match="window_size"):
+      tb.fold_attn_func(q, k, v, window_size=(-2, -1))
+    with pytest.raises(ValueError, match="head_dim"):
+      tb.fold_attn_func(q, k[..., :8], v[..., :8])
+    with pytest.raises(TypeError, match="share one dtype"):
+      tb.fold_attn_func(q, k.double(), v.double())
+  o3 = tb.fold_attn_func(q, k, v, causal=False, softcap=1.0)
+  assert not torch.equal(o1, o3) and len(A._dense_statics) == 2
+
+
 def test_import_sets_jax_allocator_before_jax_starts():
   code = ("import os, torch_bridge; "
           "print(os.environ.get('XLA_PYTHON_CLIENT_PREALLOCATE'))")
@@ -482,9 +527,11 @@ def test_import_sets_jax_allocator_before_jax_starts():
 
 
 def test_cpu_backend_is_announced_once(caplog):
+  from torch_bridge import attention as A
   rt._announced.discard(next((m for m in rt._announced if "XLA path" in m),
                              ""))
   rt._targets.clear()
+  A._dense_statics.clear()  # calls seen before would skip the backend choice
   import logging
   with caplog.at_level(logging.WARNING, logger="torch_bridge"):
     q, k, v = _qkv(1, 4, 4, 2, 2, 8, grad=False)

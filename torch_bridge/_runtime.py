@@ -37,8 +37,11 @@ release of external buffers to the end of their usage events); torch tensors
 made from JAX outputs hold the JAX buffers. A torch tensor that dies before
 the JAX work is done returns its memory to torch's caching allocator, whose
 reuse on torch's current stream is ordered after our wait on the outputs.
-Imported buffers are never donated. Inputs are `.detach()`ed and made
-contiguous only when they are not.
+Imported buffers are never donated. Inputs are made contiguous only when
+they are not; a contiguous input is handed over as is (no `.detach()`
+alias: see `DETACH_INPUTS`), so that on GPU the capsule's deleter, run on a
+PJRT thread, normally drops a reference the caller still holds and does not
+need the GIL.
 
 `FOLDAX_TORCH_DLPACK=protocol` switches to the public DLPack protocol
 (`jax.dlpack.from_dlpack` / `torch.from_dlpack`, one event per tensor): the
@@ -247,21 +250,53 @@ def _to_dlpack(t):
   return t.__dlpack__() if _TO_DLPACK is None else _TO_DLPACK(t)
 
 
-try:  # the C entry point, without Tensor.__dlpack__'s Python checks
+try:  # the C entry points, without Tensor.__dlpack__'s / from_dlpack's
+  # Python checks (and without a `.detach()`: `_to_dlpack` does not look at
+  # requires_grad; the capsule holds the tensor's storage, not its graph use)
   from torch._C import _to_dlpack as _TO_DLPACK
 except ImportError:  # pragma: no cover
   _TO_DLPACK = None
+try:
+  from torch._C import _from_dlpack as _FROM_DLPACK
+except ImportError:  # pragma: no cover
+  _FROM_DLPACK = None
+
+
+# Whether imports wrap a `.detach()`ed alias of each tensor (the old
+# behaviour; kept switchable for A/B timing in `torch_bridge.bench`). Off: the
+# capsule holds the caller's tensor itself. A fresh alias's Python object dies
+# at once while the capsule still holds the alias, so torch "resurrects" it
+# (C++ then owns the PyObject) and the capsule's deleter -- which PJRT runs
+# on its own callback thread on GPU, after JAX's last use -- must take the
+# GIL to free it, contending with the Python threads (the caller, autograd's
+# device thread) once per imported tensor.
+DETACH_INPUTS = os.environ.get("FOLDAX_TORCH_DETACH", "0") == "1"
+
+
+def _current_raw_stream(target: Target) -> int:
+  """torch's current CUDA stream on the target's device, as a DLPack stream
+  number (1: the legacy default stream)."""
+  import torch
+  dev = target.torch_device
+  idx = dev.index if dev.index is not None else torch.cuda.current_device()
+  try:
+    raw = torch._C._cuda_getCurrentRawStream(idx)
+  except AttributeError:  # pragma: no cover - older torch
+    raw = torch.cuda.current_stream(dev).cuda_stream
+  return raw or 1
 
 
 class Importer:
   """Imports the torch tensors of one call into JAX (see module docs)."""
 
-  __slots__ = ("target", "stream")
+  __slots__ = ("target", "stream", "_dev", "_dl_type", "_fast")
 
   def __init__(self, target: Target):
     global _low_level
     self.target = target
     self.stream = None
+    self._dev = target.jax_device
+    self._dl_type = target.dl_type
     if target.cuda and _low_level:
       try:
         self.stream = _order_jax_after_torch(target)
@@ -269,27 +304,41 @@ class Importer:
         _low_level = False
         announce(f"torch_bridge: fast CUDA stream hand-off unavailable ({e!r});"
                  " using the DLPack protocol (one event per tensor).")
+    self._fast = (_low_level and _TO_DLPACK is not None and
+                  not target.host_copy)
 
   def __call__(self, t):
     if t is None:
       return None
+    if not t.is_contiguous():
+      t = t.detach().contiguous()  # a copy (no autograd record)
+    elif DETACH_INPUTS:
+      t = t.detach()
+    if self._fast and _low_level:
+      try:
+        return _jax_internal().dlpack_managed_tensor_to_buffer(
+            _TO_DLPACK(t), self._dev, self.stream, None, self._dl_type)
+      except Exception as e:
+        return self._slow(t, e)
+    return self._slow(t, None)
+
+  def _slow(self, t, err):
     global _low_level
     t = t.detach()
-    if not t.is_contiguous():
-      t = t.contiguous()
     if self.target.host_copy:
       t = t.cpu()
-    if _low_level:
+    if err is None and _low_level:
       try:
         return _jax_internal().dlpack_managed_tensor_to_buffer(
             _to_dlpack(t), self.target.jax_device, self.stream, None,
             self.target.dl_type)
       except Exception as e:
-        if self.target.cuda:  # pragma: no cover - GPU only
-          _low_level = False
-          announce(f"torch_bridge: low-level DLPack import failed ({e!r}); "
-                   "using the DLPack protocol.")
-        # CPU: e.g. a misaligned buffer; the public path may copy.
+        err = e
+    if err is not None and self.target.cuda:  # pragma: no cover - GPU only
+      _low_level = False
+      announce(f"torch_bridge: low-level DLPack import failed ({err!r}); "
+               "using the DLPack protocol.")
+    # CPU: e.g. a misaligned buffer; the public path may copy.
     import jax
     return jax.dlpack.from_dlpack(t)
 
@@ -297,30 +346,27 @@ class Importer:
 def export(arrays, target: Target):
   """JAX arrays -> torch tensors on the target device (None passes)."""
   global _low_level
-  import torch
-  import torch.utils.dlpack as tud
-  if not target.cuda:
-    import jax
-    jax.block_until_ready([a for a in arrays if a is not None])
+  if not target.cuda:  # torch's CPU kernels run eagerly: wait for JAX
+    for a in arrays:
+      if a is not None:
+        a.block_until_ready()
+  stream = _current_raw_stream(target) if target.cuda else None
+  to_dl = getattr(_jax_internal(), "buffer_to_dlpack_managed_tensor", None)
   out = []
-  stream = None
-  if target.cuda:
-    s = torch.cuda.current_stream(target.torch_device)
-    stream = s.cuda_stream or 1  # 1: the legacy default stream (DLPack spec)
   for a in arrays:
     if a is None:
       out.append(None)
       continue
     t = None
-    if _low_level:
+    if _low_level and to_dl is not None and _FROM_DLPACK is not None:
       try:
-        t = tud.from_dlpack(_jax_internal().buffer_to_dlpack_managed_tensor(
-            a, stream=stream))
+        t = _FROM_DLPACK(to_dl(a, stream=stream))
       except Exception as e:  # pragma: no cover
         _low_level = False
         announce(f"torch_bridge: low-level DLPack export failed ({e!r}); "
                  "using the DLPack protocol.")
     if t is None:
+      import torch
       t = torch.from_dlpack(a)
     if target.host_copy:
       t = t.to(target.torch_device)

@@ -2,6 +2,7 @@
 
     python -m torch_bridge.bench                # B1 H16 S128 D128 and S4096
     python -m torch_bridge.bench --seq 128 --iters 500 --dtype bfloat16
+    python -m torch_bridge.bench --seq 128 --phases   # + fwd+bwd breakdown
 
 "JAX alone" calls the very jitted function the bridge calls, on JAX arrays
 that already live on the device (what a JAX user pays); "bridge" calls
@@ -47,7 +48,7 @@ def _median_us(fn, iters, device, warmup=10):
 
 
 def overhead(batch=1, heads=16, seq=128, head_dim=128, dtype=None,
-             device=None, iters=200, causal=True) -> dict:
+             device=None, iters=200, causal=True, phases=False) -> dict:
   import jax
   if device is None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -105,10 +106,91 @@ def overhead(batch=1, heads=16, seq=128, head_dim=128, dtype=None,
   r["bridge_fwd_bwd_us"] = _median_us(bridge_fwd_bwd, iters, device)
   r["import3_us"] = _median_us(import_only, iters, device)
   r["export2_us"] = _median_us(export_only, iters, device)
+  if phases:
+    r.update(_phases(plan, target, q, k, v, do, qg, kg, vg, doj, static,
+                     causal, iters, device, bridge_fwd_bwd))
   r["overhead_us"] = r["bridge_fwd_us"] - r["jax_fwd_us"]
   r["overhead_fwd_bwd_us"] = r["bridge_fwd_bwd_us"] - r["jax_fwd_bwd_us"]
   r["ratio_fwd"] = r["bridge_fwd_us"] / r["jax_fwd_us"]
   r["ratio_fwd_bwd"] = r["bridge_fwd_bwd_us"] / r["jax_fwd_bwd_us"]
+  return r
+
+
+def _phases(plan, target, q, k, v, do, qg, kg, vg, doj, static, causal, iters,
+            device, bridge_fwd_bwd) -> dict:
+  """Where a forward+backward's extra time goes (--phases): the forward with
+  grad alone, the backward body without autograd on this thread and on a
+  helper thread (autograd runs CUDA backwards on its device thread), the JAX
+  backward alone, the gradients' export, and the whole call with the old
+  `.detach()`ed imports and with a short GIL switch interval (both probe GIL
+  hand-offs to PJRT's callback threads)."""
+  import queue
+  import sys
+  import threading
+
+  import jax
+  r = {}
+  r["bridge_fwd_grad_us"] = _median_us(
+      lambda: tb.fold_attn_func(qg, kg, vg, causal=causal), iters, device)
+  (o, l, a), kept = A._fwd_impl(q, k, v, None, None, None, None, None, static,
+                                keep=True, aux_tensor=False)
+
+  def bwd_body():
+    return A._bwd_impl(do, None, q, k, v, None, None, None, None, None, o, l,
+                       a, static, kept=kept, ds_tensor=False)
+
+  r["bwd_body_us"] = _median_us(bwd_body, iters, device)
+  ins, res = kept
+  jdo = rt.Importer(target)(do)
+
+  def jax_bwd():
+    g = plan.bwd(*ins, *res, jdo, None)
+    if device.type != "cuda":
+      jax.block_until_ready(g)
+    return g
+
+  r["jax_bwd_on_bridge_arrays_us"] = _median_us(jax_bwd, iters, device)
+  grads = jax.block_until_ready(plan.bwd(*ins, *res, jdo, None))
+  r["export3_us"] = _median_us(lambda: rt.export(grads, target), iters,
+                               device)
+  jobs, done = queue.Queue(), queue.Queue()
+
+  def worker():
+    while True:
+      fn = jobs.get()
+      if fn is None:
+        return
+      if device.type == "cuda":
+        torch.cuda.set_device(device)
+      done.put(fn())
+
+  th = threading.Thread(target=worker, daemon=True)
+  th.start()
+  try:
+    def on_thread():
+      jobs.put(bwd_body)
+      return done.get()
+    r["bwd_body_on_thread_us"] = _median_us(on_thread, iters, device)
+    r["thread_roundtrip_us"] = _median_us(
+        lambda: (jobs.put(lambda: None), done.get()), iters, device)
+  finally:
+    jobs.put(None)
+    th.join()
+  old = rt.DETACH_INPUTS
+  rt.DETACH_INPUTS = True
+  try:
+    r["bridge_fwd_bwd_detached_imports_us"] = _median_us(bridge_fwd_bwd,
+                                                         iters, device)
+  finally:
+    rt.DETACH_INPUTS = old
+  sw = sys.getswitchinterval()
+  sys.setswitchinterval(2e-5)
+  try:
+    r["bridge_fwd_bwd_switch20us_us"] = _median_us(bridge_fwd_bwd, iters,
+                                                   device)
+  finally:
+    sys.setswitchinterval(sw)
+  r["bridge_fwd_bwd_again_us"] = _median_us(bridge_fwd_bwd, iters, device)
   return r
 
 
@@ -121,10 +203,13 @@ def main(argv=None):
   p.add_argument("--dtype", default=None)
   p.add_argument("--iters", type=int, default=200)
   p.add_argument("--device", default=None)
+  p.add_argument("--phases", action="store_true",
+                 help="also time the parts of a forward+backward")
   a = p.parse_args(argv)
   dtype = getattr(torch, a.dtype) if a.dtype else None
   for s in a.seq:
-    r = overhead(a.batch, a.heads, s, a.head_dim, dtype, a.device, a.iters)
+    r = overhead(a.batch, a.heads, s, a.head_dim, dtype, a.device, a.iters,
+                 phases=a.phases)
     print(json.dumps({k: (round(v, 1) if isinstance(v, float) else v)
                       for k, v in r.items()}))
 
