@@ -154,14 +154,15 @@ def _phases(plan, target, q, k, v, do, qg, kg, vg, doj, static, causal, iters,
   r["export3_us"] = _median_us(lambda: rt.export(grads, target), iters,
                                device)
   jobs, done = queue.Queue(), queue.Queue()
+  cuda_idx = torch.cuda.current_device() if device.type == "cuda" else None
 
   def worker():
+    if cuda_idx is not None:
+      torch.cuda.set_device(cuda_idx)
     while True:
       fn = jobs.get()
       if fn is None:
         return
-      if device.type == "cuda":
-        torch.cuda.set_device(device)
       done.put(fn())
 
   th = threading.Thread(target=worker, daemon=True)
