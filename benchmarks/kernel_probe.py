@@ -5,6 +5,12 @@ determinism and a block-size sweep in one process.
         [--write-table blocks.json]
     python -m benchmarks.kernel_probe --fwd-probe --out fwd.json \
         [--fwd-blocks '128,64,4,2;128,128,8,3']
+    python -m benchmarks.kernel_probe --bwd-probe --out bwd.json \
+        [--bwd-configs '64,64,4,2/128,64,8,2;...']
+    python -m benchmarks.kernel_probe --ir-stats [--bwd]
+
+`--bwd-probe` times the recompute backward (dK/dV kernel blocks / dQ kernel
+blocks) at the same shape and checks that its gradients repeat bitwise.
 
 `--fwd-probe` only times the forward at B2 H16 S8192 D128 causal bf16 for a
 few block configurations next to JAX's Pallas mha (tuned 128/64/4w/2s and
@@ -161,11 +167,11 @@ def sweep(records, b, s, h, d, causal, fwd_cands, bwd_cands,
           q, k, v, cu, cu, cfg=cfg, blocks=bs, max_seqlen_q=s))
       ms = _time(fn, pq, pk, pv)
       rec = dict(kind="fwd", b=b, s=s, h=h, d=d, causal=causal,
-                 blocks=bs.__dict__, ms=ms, tflops=flops_fwd / ms / 1e9)
+                 blocks=bs.to_dict(), ms=ms, tflops=flops_fwd / ms / 1e9)
       if best_fwd is None or ms < best_fwd[0]:
         best_fwd = (ms, bs)
     except Exception as e:  # noqa: BLE001
-      rec = dict(kind="fwd", blocks=bs.__dict__, error=repr(e)[:300])
+      rec = dict(kind="fwd", blocks=bs.to_dict(), error=repr(e)[:300])
     print(rec, flush=True)
     records.append(rec)
   out, lse2 = flash_forward(pq, pk, pv, cu, cu, cfg=cfg, blocks=best_fwd[1],
@@ -179,18 +185,18 @@ def sweep(records, b, s, h, d, causal, fwd_cands, bwd_cands,
       if mode not in best_bwd or ms < best_bwd[mode][0]:
         best_bwd[mode] = (ms, bs)
       rec = dict(kind="bwd", mode=mode, b=b, s=s, h=h, d=d, causal=causal,
-                 blocks=bs.__dict__, ms=ms,
+                 blocks=bs.to_dict(), ms=ms,
                  tflops=2.5 * flops_fwd / ms / 1e9,
                  fwd_bwd_tflops=3.5 * flops_fwd / (ms + best_fwd[0]) / 1e9)
     except Exception as e:  # noqa: BLE001
-      rec = dict(kind="bwd", blocks=bs.__dict__, error=repr(e)[:300])
+      rec = dict(kind="bwd", blocks=bs.to_dict(), error=repr(e)[:300])
     print(rec, flush=True)
     records.append(rec)
   major = int(jax.devices()[0].compute_capability.split(".")[0])
-  table = {json.dumps([major, d, 2, "fwd"]): best_fwd[1].__dict__}
+  table = {json.dumps([major, d, 2, "fwd"]): best_fwd[1].to_dict()}
   for mode, (_, bs) in best_bwd.items():
     key = "bwd" if mode == "recompute" else "bwd_atomic"
-    table[json.dumps([major, d, 2, key])] = bs.__dict__
+    table[json.dumps([major, d, 2, key])] = bs.to_dict()
   records.append(dict(kind="table", entries=table))
   # cuDNN reference point in the same process.
   try:
@@ -216,6 +222,33 @@ def sweep(records, b, s, h, d, causal, fwd_cands, bwd_cands,
 # run one program per SM.
 FWD_PROBE_CONFIGS = ((128, 64, 4, 2), (128, 128, 8, 3), (128, 128, 8, 2),
                      (128, 64, 8, 3), (64, 64, 4, 3), (256, 64, 8, 2))
+
+
+# (dK/dV blocks, dQ blocks) timed by --bwd-probe, from `--ir-stats --bwd`
+# (pip triton 3.6, sm_90): dK/dV 64x64/4w/2s 255 regs, no stack; dK/dV
+# 64x128/8w 254 regs, no stack; dQ 128x64/8w 191 regs and 128x128/8w/2s
+# 255 regs, no stack; dQ 128x64/4w/2s spills (352 B stack, 77 LDL/STL in the
+# hot loop) and is kept only as the forward-like reference point; dQ
+# 128x128/8w/3s needs 256 KB of shared memory (too much).
+BWD_PROBE_CONFIGS = (
+    ((64, 64, 4, 2), (64, 64, 4, 2)),
+    ((64, 64, 4, 2), (128, 64, 8, 2)),
+    ((64, 64, 4, 2), (128, 128, 8, 2)),
+    ((64, 128, 8, 2), (128, 64, 8, 2)),
+    ((64, 128, 8, 3), (128, 128, 8, 2)),
+    ((64, 64, 4, 2), (128, 64, 4, 2)),
+)
+
+
+def _parse_bwd_configs(spec):
+  """'64,64,4,2/128,64,4,2;...' -> [(BlockSizes, BlockSizes), ...]."""
+  out = []
+  for item in spec.replace(" ", "").split(";"):
+    if item:
+      kv, dq = item.split("/")
+      out.append((BlockSizes(*(int(x) for x in kv.split(","))),
+                  BlockSizes(*(int(x) for x in dq.split(",")))))
+  return out
 
 
 def _parse_blocks(spec):
@@ -286,11 +319,11 @@ def fwd_probe(records, configs, b=2, s=8192, h=16, d=128, causal=True,
         o = o.reshape(ref.shape).astype(jnp.float32)
         err = float(jnp.linalg.norm(o - ref) / jnp.linalg.norm(ref))
       ms = _time(fn, pq, pk, pv, reps=reps, inner=inner)
-      rec = dict(kind="fwd_probe", impl="ours", **shape, blocks=bs.__dict__,
+      rec = dict(kind="fwd_probe", impl="ours", **shape, blocks=bs.to_dict(),
                  ms=ms, tflops=flops / ms / 1e9, compile_s=compile_s,
                  rel_err_vs_mha=err)
     except Exception as e:  # noqa: BLE001
-      rec = dict(kind="fwd_probe", impl="ours", blocks=bs.__dict__,
+      rec = dict(kind="fwd_probe", impl="ours", blocks=bs.to_dict(),
                  error=repr(e)[:300])
     print(rec, flush=True)
     records.append(rec)
@@ -303,7 +336,107 @@ def fwd_probe(records, configs, b=2, s=8192, h=16, d=128, causal=True,
           f"{r['tflops']:6.1f} TFLOP/s", flush=True)
 
 
-def ir_stats(configs, b=2, s=8192, h=16, d=128, causal=True):
+def bwd_probe(records, configs, b=2, s=8192, h=16, d=128, causal=True,
+              reps=10, inner=5, out_path=None, interpret=False,
+              budget_s=60.0):
+  """Times the recompute backward for each (dK/dV blocks, dQ blocks) pair.
+
+  The forward runs once (shipped blocks) and is timed once; each candidate
+  then times `flash_backward` alone on those residuals (what jax.vjp's
+  backward runs), checks that two runs give bitwise equal dq, dk, dv, and
+  compares with the first candidate (dK/dV bitwise when its blocks match;
+  dQ relative error). Records are appended and the JSON rewritten as they
+  finish; candidates are skipped once `budget_s` has passed.
+  """
+  from pallas_kernels.flash.backward import flash_backward
+  t_start = time.perf_counter()
+  dtype = jnp.bfloat16
+  q, k, v, do = _inputs(b, s, h, h, d, dtype)
+  flops_fwd = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
+  cfg = MaskConfig.make(causal=causal, window_size=(-1, -1),
+                        has_segments=False, softcap=0.0, scale=d ** -0.5)
+  cu = jnp.arange(b + 1, dtype=jnp.int32) * s
+  pq, pk, pv, pdo = map(_pack, (q, k, v, do))
+  shape = dict(b=b, s=s, h=h, d=d, causal=causal, dtype="bfloat16")
+
+  def dump():
+    if out_path:
+      with open(out_path, "w") as f:
+        json.dump(records, f, indent=1)
+
+  fb = (block_sizes_for(compute_capability=(9, 0), head_dim=d, dtype=dtype,
+                        mode="fwd", interpret=False)
+        if not interpret else BlockSizes(16, 16, 4, 1))
+  fwd = jax.jit(lambda q, k, v: flash_forward(
+      q, k, v, cu, cu, cfg=cfg, blocks=fb, max_seqlen_q=s,
+      interpret=interpret))
+  out, lse2 = jax.block_until_ready(fwd(pq, pk, pv))
+  fwd_ms = _time(fwd, pq, pk, pv, reps=reps, inner=inner)
+  rec = dict(kind="bwd_probe_fwd", **shape, blocks=fb.to_dict(), ms=fwd_ms,
+             tflops=flops_fwd / fwd_ms / 1e9)
+  print(rec, flush=True)
+  records.append(rec)
+  dump()
+  base = None
+  for kv_bs, dq_bs in configs:
+    if time.perf_counter() - t_start > budget_s:
+      rec = dict(kind="bwd_probe", dkdv=kv_bs.to_dict(), dq=dq_bs.to_dict(),
+                 skipped="time budget")
+      print(rec, flush=True)
+      records.append(rec)
+      dump()
+      continue
+    try:
+      fn = jax.jit(lambda q, k, v, o, l, do, kv_bs=kv_bs, dq_bs=dq_bs:
+                   flash_backward(q, k, v, o, l, do, cu, cu, cfg=cfg,
+                                  blocks=kv_bs, dq_blocks=dq_bs,
+                                  max_seqlen_q=s, max_seqlen_k=s,
+                                  interpret=interpret,
+                                  dq_mode="recompute")[:3])
+      t0 = time.perf_counter()
+      g1 = jax.block_until_ready(fn(pq, pk, pv, out, lse2, pdo))
+      compile_s = time.perf_counter() - t0
+      g2 = jax.block_until_ready(fn(pq, pk, pv, out, lse2, pdo))
+      repeat = all(bool(jnp.array_equal(x, y)) for x, y in zip(g1, g2))
+      ms = _time(fn, pq, pk, pv, out, lse2, pdo, reps=reps, inner=inner)
+      rec = dict(kind="bwd_probe", **shape, dkdv=kv_bs.to_dict(),
+                 dq=dq_bs.to_dict(), bwd_ms=ms,
+                 bwd_tflops=2.5 * flops_fwd / ms / 1e9,
+                 fwd_bwd_ms=ms + fwd_ms,
+                 fwd_bwd_tflops=3.5 * flops_fwd / (ms + fwd_ms) / 1e9,
+                 compile_s=compile_s, bitwise_repeatable=repeat)
+      if base is None:
+        base = (kv_bs, g1)
+      else:
+        ref = base[1][0].astype(jnp.float32)
+        rec["dq_rel_err_vs_first"] = float(
+            jnp.linalg.norm(g1[0].astype(jnp.float32) - ref) /
+            jnp.linalg.norm(ref))
+        if kv_bs == base[0]:
+          rec["dkdv_bitwise_eq_first"] = all(
+              bool(jnp.array_equal(x, y)) for x, y in zip(g1[1:], base[1][1:]))
+    except Exception as e:  # noqa: BLE001
+      rec = dict(kind="bwd_probe", dkdv=kv_bs.to_dict(), dq=dq_bs.to_dict(),
+                 error=repr(e)[:300])
+    print(rec, flush=True)
+    records.append(rec)
+    dump()
+  print(f"forward {fwd_ms:.3f} ms (blocks {fb.block_q}x{fb.block_k} "
+        f"w{fb.num_warps} s{fb.num_stages})", flush=True)
+  ok = [r for r in records if r.get("kind") == "bwd_probe" and "bwd_ms" in r]
+  for r in sorted(ok, key=lambda r: r["bwd_ms"]):
+    a, c = r["dkdv"], r["dq"]
+    print(f"dkdv {a['block_q']:3d}x{a['block_k']:<3d} w{a['num_warps']} "
+          f"s{a['num_stages']} | dq {c['block_q']:3d}x{c['block_k']:<3d} "
+          f"w{c['num_warps']} s{c['num_stages']}  bwd {r['bwd_ms']:.3f} ms "
+          f"{r['bwd_tflops']:6.1f} TFLOP/s  fwd+bwd {r['fwd_bwd_ms']:.3f} ms "
+          f"{r['fwd_bwd_tflops']:6.1f}  repeatable "
+          f"{r['bitwise_repeatable']}", flush=True)
+  print(f"total {time.perf_counter() - t_start:.1f} s", flush=True)
+
+
+def ir_stats(configs, b=2, s=8192, h=16, d=128, causal=True,
+             bwd_configs=None):
   """CPU-only: what the GPU would run, without a GPU.
 
   Lowers our forward (and JAX's mha at its two settings) for sm_90 with the
@@ -311,6 +444,8 @@ def ir_stats(configs, b=2, s=8192, h=16, d=128, causal=True):
   with the pip `triton` package's CUDA pipeline (the passes XLA runs for
   Hopper) and its bundled ptxas, and prints registers, stack (spills) and,
   for every SASS loop holding an HGMMA, its instruction count and histogram.
+  With `bwd_configs` ((dK/dV blocks, dQ blocks) pairs) it does the same for
+  the two recompute-mode backward kernels instead of the forward.
   XLA's own Triton and ptxas may differ in details; use it to compare
   variants, not to predict times.
   """
@@ -347,32 +482,19 @@ def ir_stats(configs, b=2, s=8192, h=16, d=128, causal=True):
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     from jax.experimental.pallas.ops.gpu import attention as pattn
-  jobs = [("jax_mha", BlockSizes(128, 64, 4, 2)),
-          ("jax_mha", BlockSizes(128, 128, 8, 2))]
-  jobs += [("ours", bs) for bs in configs]
+  jobs = []
+  if bwd_configs is None:
+    jobs = [("jax_mha", BlockSizes(128, 64, 4, 2)),
+            ("jax_mha", BlockSizes(128, 128, 8, 2))]
+    jobs += [("ours", bs) for bs in configs]
+  else:
+    jobs = [("bwd", pair) for pair in bwd_configs]
   tmp = tempfile.mkdtemp(prefix="fold_ir_")
-  for impl, bs in jobs:
-    captured.clear()
-    with warnings.catch_warnings():
-      warnings.simplefilter("ignore")
-      if impl == "ours":
-        q = sds((b * s, h, d), jnp.bfloat16)
-        cu = sds((b + 1,), jnp.int32)
-        jax.jit(lambda q, k, v, cu, bs=bs: flash_forward(
-            q, k, v, cu, cu, cfg=cfg, blocks=bs, max_seqlen_q=s)).trace(
-                q, q, q, cu).lower(lowering_platforms=("cuda",))
-      else:
-        q = sds((b, s, h, d), jnp.bfloat16)
-        jax.jit(lambda q, k, v, bs=bs: pattn.mha(
-            q, k, v, None, sm_scale=d ** -0.5, causal=causal,
-            block_sizes=pattn.BlockSizes(bs.block_q, bs.block_k),
-            num_warps=bs.num_warps, num_stages=bs.num_stages)).trace(
-                q, q, q).lower(lowering_platforms=("cuda",))
-    name = (f"{impl}_{bs.block_q}_{bs.block_k}_w{bs.num_warps}"
-            f"s{bs.num_stages}")
+
+  def compile_stats(name, ttir, bs):
     path = os.path.join(tmp, name + ".ttir")
     with open(path, "w") as f:
-      f.write(captured[0])
+      f.write(ttir)
     ctx = ir.context()
     src = IRSource(path, ctx, backend)
     mod = src.module
@@ -396,6 +518,8 @@ def ir_stats(configs, b=2, s=8192, h=16, d=128, causal=True):
     res = re.search(r"REG:(\d+) STACK:(\d+)", usage)
     sass = subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", cubin],
                           capture_output=True, text=True).stdout
+    with open(os.path.join(tmp, name + ".sass"), "w") as f:
+      f.write(sass)
     ins = [(int(m.group(1), 16), m.group(2).strip())
            for m in re.finditer(r"/\*([0-9a-f]{4,5})\*/\s+([^;]*);", sass)]
     at = {a: i for i, (a, _) in enumerate(ins)}
@@ -409,13 +533,56 @@ def ir_stats(configs, b=2, s=8192, h=16, d=128, causal=True):
               re.sub(r"^@!?U?P\w+\s+", "", x).split()[0].split(".")[0]
               for x in body)
           loops.append((len(body), ops))
+    total_spill = sum(1 for _, x in ins if re.search(r"\b(LDL|STL)\b", x))
     print(f"{name}: regs {res.group(1)} stack {res.group(2)} bytes, "
-          f"shared {md.get('shared')} B", flush=True)
+          f"shared {md.get('shared')} B, {total_spill} LDL/STL in all",
+          flush=True)
     for n, ops in loops:
-      top = ", ".join(f"{k} {v}" for k, v in ops.most_common(12))
+      top = ", ".join(f"{k} {v}" for k, v in ops.most_common(14))
       spill = ops.get("LDL", 0) + ops.get("STL", 0)
       print(f"   loop: {n} instructions, {spill} spill ld/st; {top}",
             flush=True)
+
+  for impl, bs in jobs:
+    captured.clear()
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore")
+      if impl == "bwd":
+        from pallas_kernels.flash.backward import flash_backward
+        kv_bs, dq_bs = bs
+        q = sds((b * s, h, d), jnp.bfloat16)
+        cu = sds((b + 1,), jnp.int32)
+        rows = sds((h, b * s), jnp.float32)
+        jax.jit(lambda q, k, v, o, l, do, cu, kv_bs=kv_bs, dq_bs=dq_bs:
+                flash_backward(q, k, v, o, l, do, cu, cu, cfg=cfg,
+                               blocks=kv_bs, dq_blocks=dq_bs, max_seqlen_q=s,
+                               max_seqlen_k=s, dq_mode="recompute")).trace(
+                    q, q, q, q, rows, q, cu).lower(
+                        lowering_platforms=("cuda",))
+        kernels = [("dkdv", kv_bs, "fold_flash_backward_dkdv"),
+                   ("dq", dq_bs, "fold_flash_backward_dq")]
+        for kname, kbs, tag in kernels:
+          mods = [m for m in captured if tag in m]
+          tiles = (f"{kbs.block_q}_{kbs.block_k}_w{kbs.num_warps}"
+                   f"s{kbs.num_stages}")
+          compile_stats(f"bwd_{kname}_{tiles}", mods[0], kbs)
+        continue
+      if impl == "ours":
+        q = sds((b * s, h, d), jnp.bfloat16)
+        cu = sds((b + 1,), jnp.int32)
+        jax.jit(lambda q, k, v, cu, bs=bs: flash_forward(
+            q, k, v, cu, cu, cfg=cfg, blocks=bs, max_seqlen_q=s)).trace(
+                q, q, q, cu).lower(lowering_platforms=("cuda",))
+      else:
+        q = sds((b, s, h, d), jnp.bfloat16)
+        jax.jit(lambda q, k, v, bs=bs: pattn.mha(
+            q, k, v, None, sm_scale=d ** -0.5, causal=causal,
+            block_sizes=pattn.BlockSizes(bs.block_q, bs.block_k),
+            num_warps=bs.num_warps, num_stages=bs.num_stages)).trace(
+                q, q, q).lower(lowering_platforms=("cuda",))
+    name = (f"{impl}_{bs.block_q}_{bs.block_k}_w{bs.num_warps}"
+            f"s{bs.num_stages}")
+    compile_stats(name, captured[0], bs)
   print("IR, PTX and cubins in", tmp)
 
 
@@ -441,16 +608,37 @@ def main(argv=None):
                  help="CPU only: compile the forward for sm_90 with the pip "
                       "triton package and print registers, spills and the "
                       "SASS of its loops (needs `triton`; no GPU)")
+  p.add_argument("--bwd", action="store_true",
+                 help="with --ir-stats: the recompute backward's dK/dV and "
+                      "dQ kernels for --bwd-configs instead of the forward")
+  p.add_argument("--bwd-probe", action="store_true",
+                 help="only time the recompute backward (B2 H16 S8192 D128 "
+                      "causal bf16) for --bwd-configs; ~1 min")
+  p.add_argument("--bwd-configs", default=None,
+                 help="'kvq,kvk,w,s/dqq,dqk,w,s;...' (dK/dV blocks / dQ "
+                      "blocks) for --bwd-probe and --ir-stats --bwd "
+                      "(default: BWD_PROBE_CONFIGS)")
+  p.add_argument("--bwd-reps", type=int, default=10)
   a = p.parse_args(argv)
+  bwd_configs = (_parse_bwd_configs(a.bwd_configs) if a.bwd_configs else
+                 [(BlockSizes(*kv), BlockSizes(*dq))
+                  for kv, dq in BWD_PROBE_CONFIGS])
   if a.ir_stats:
     ir_stats(_parse_blocks(a.fwd_blocks) if a.fwd_blocks else
-             [BlockSizes(*c) for c in FWD_PROBE_CONFIGS])
+             [BlockSizes(*c) for c in FWD_PROBE_CONFIGS],
+             bwd_configs=bwd_configs if a.bwd else None)
     return
   records = [dict(kind="meta", device=str(jax.devices()[0]),
                   jax=jax.__version__, date=time.strftime("%Y-%m-%d %H:%M"),
                   argv=sys.argv)]
   if os.environ.get("FOLDAX_GIT_COMMIT"):
     records[0]["git_commit"] = os.environ["FOLDAX_GIT_COMMIT"]
+  if a.bwd_probe:
+    b, s_, h, d = (int(x) for x in a.fwd_shape.split(","))
+    bwd_probe(records, bwd_configs, b=b, s=s_, h=h, d=d, reps=a.bwd_reps,
+              inner=1 if a.interpret else 5, out_path=a.out,
+              interpret=a.interpret)
+    return
   if a.fwd_probe:
     configs = (_parse_blocks(a.fwd_blocks) if a.fwd_blocks else
                [BlockSizes(*c) for c in FWD_PROBE_CONFIGS])

@@ -91,11 +91,16 @@ def _backward_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
     head_mask = _tiles.head_dim_mask(head_dim, d_pad)
     k_pos = k0 + jnp.arange(block_k)
     k_valid = k_pos < len_k
-    kv_mask = _tiles.mask_and(k_valid[:, None], head_mask)
-    k = _tiles.load(k_ref.at[pl.ds(k_off + k0, block_k), :], mask=kv_mask,
-                   other=0.0)
-    v = _tiles.load(v_ref.at[pl.ds(k_off + k0, block_k), :], mask=kv_mask,
-                   other=0.0)
+    # min() is the identity here (k0 < len_k), but it keeps the k/v tiles'
+    # addresses and row mask distinct from the dK/dV stores' (see the
+    # forward's q tile): identical expressions would be CSE'd into one
+    # [block_k, d_pad] offset tensor and mask kept live across the loops.
+    kv_start = jnp.minimum(k_off + k0, k_ref.shape[0] - 1)
+    kv_load_mask = _tiles.mask_and(k_valid[:, None], head_mask)
+    k = _tiles.load(k_ref.at[pl.ds(kv_start, block_k), :], mask=kv_load_mask,
+                    other=0.0)
+    v = _tiles.load(v_ref.at[pl.ds(kv_start, block_k), :], mask=kv_load_mask,
+                    other=0.0)
     k_seg = None
     if cfg.has_segments:
       k_seg = _tiles.load(k_seg_ref.at[pl.ds(k_off + k0, block_k)],
@@ -164,6 +169,9 @@ def _backward_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
 
     zeros = jnp.zeros((block_k, d_pad), jnp.float32)
     dk, dv = lax.fori_loop(0, group, head, (zeros, zeros))
+    # Not k_pos < len_k: see kv_start.
+    kv_mask = _tiles.mask_and((jnp.arange(block_k) < len_k - k0)[:, None],
+                              head_mask)
     plgpu.store(dk_ref.at[pl.ds(k_off + k0, block_k), :],
                 (dk * cfg.scale).astype(dk_ref.dtype), mask=kv_mask)
     plgpu.store(dv_ref.at[pl.ds(k_off + k0, block_k), :],
@@ -199,9 +207,12 @@ def _dq_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
     q_pos = q0 + jnp.arange(block_q)
     q_valid = q_pos < len_q
     rows = pl.ds(q_off + q0, block_q)
-    row_mask = _tiles.mask_and(q_valid[:, None], head_mask)
-    q = _tiles.load(q_ref.at[rows, :], mask=row_mask, other=0.0)
-    do = _tiles.load(do_ref.at[rows, :], mask=row_mask, other=0.0)
+    # min() is the identity (q0 < len_q): it keeps the q/dO tiles' addresses
+    # and mask apart from the dQ store's (see _backward_kernel's kv_start).
+    load_rows = pl.ds(jnp.minimum(q_off + q0, q_ref.shape[0] - 1), block_q)
+    load_mask = _tiles.mask_and(q_valid[:, None], head_mask)
+    q = _tiles.load(q_ref.at[load_rows, :], mask=load_mask, other=0.0)
+    do = _tiles.load(do_ref.at[load_rows, :], mask=load_mask, other=0.0)
     lse2 = _tiles.load(lse_ref.at[rows], mask=q_valid, other=0.0)
     delta = _tiles.load(delta_ref.at[rows], mask=q_valid, other=0.0)
     q_seg = None
@@ -249,18 +260,21 @@ def _dq_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
         0, n_pre + n_post,
         lambda t, c: step(jnp.where(t < n_pre, first + t,
                                     post_first + t - n_pre), c, True), dq)
+    row_mask = _tiles.mask_and(
+        (jnp.arange(block_q) < len_q - q0)[:, None], head_mask)
     plgpu.store(dq_ref.at[rows, :], (dq * cfg.scale).astype(dq_ref.dtype),
                 mask=row_mask)
 
 
 @functools.partial(
     jax.jit, static_argnames=("cfg", "blocks", "max_seqlen_q", "max_seqlen_k",
-                              "interpret", "dq_mode"))
+                              "interpret", "dq_mode", "dq_blocks"))
 def flash_backward(q, k, v, out, lse2, do, cu_seqlens_q, cu_seqlens_k,
                    q_segment_ids=None, kv_segment_ids=None, sinks=None,
                    dlse=None, *, cfg: MaskConfig, blocks: BlockSizes,
                    max_seqlen_q: int, max_seqlen_k: int,
-                   interpret: bool = False, dq_mode: str = "atomic"):
+                   interpret: bool = False, dq_mode: str = "atomic",
+                   dq_blocks: BlockSizes | None = None):
   """Gradients of `flash_forward`.
 
   Args:
@@ -272,6 +286,9 @@ def flash_backward(q, k, v, out, lse2, do, cu_seqlens_q, cu_seqlens_k,
     dq_mode: "atomic" (one pass, dQ on the integer grid) or "recompute" (a
       second kernel recomputes P and dS per query tile; no atomics at all).
       Both are bitwise deterministic.
+    dq_blocks: blocks of the recompute-mode dQ kernel (default
+      `blocks.dq_blocks`: `blocks.dq` if set, else `blocks`). Like `blocks`,
+      chosen per GPU generation, head dim, dtype and mode only.
 
   Returns:
     dq, dk, dv in the inputs' layouts and dtypes, and dsinks (float32
@@ -368,20 +385,22 @@ def flash_backward(q, k, v, out, lse2, do, cu_seqlens_q, cu_seqlens_k,
     dq = (dq.astype(jnp.float32) * grid_step.T[:, :, None]).astype(q.dtype)
   else:
     dk, dv = outs
+    dqb = dq_blocks if dq_blocks is not None else blocks.dq_blocks
     head_spec = pl.BlockSpec((total_q, None, d_pad), lambda i, s, h: (0, h, 0))
     kvh_spec = pl.BlockSpec((total_k, None, d_pad),
                             lambda i, s, h: (0, h // group, 0))
     rows_spec = pl.BlockSpec((None, total_q), lambda i, s, h: (h, 0))
     dq = pl.pallas_call(
-        functools.partial(_dq_kernel, cfg=cfg, block_q=block_q,
-                          block_k=block_k, head_dim=head_dim),
-        grid=(pl.cdiv(max_seqlen_q, block_q), num_seqs, heads_q),
+        functools.partial(_dq_kernel, cfg=cfg, block_q=dqb.block_q,
+                          block_k=dqb.block_k, head_dim=head_dim),
+        grid=(pl.cdiv(max_seqlen_q, dqb.block_q), num_seqs, heads_q),
         in_specs=[full(cu_seqlens_q.shape), full(cu_seqlens_k.shape),
                   head_spec, kvh_spec, kvh_spec, head_spec, rows_spec,
                   rows_spec, *seg_specs],
         out_specs=head_spec,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        compiler_params=params,
+        compiler_params=plgpu.CompilerParams(num_warps=dqb.num_warps,
+                                             num_stages=dqb.num_stages),
         interpret=interpret,
         name="fold_flash_backward_dq",
     )(cu_seqlens_q, cu_seqlens_k, q, k, v, do, lse2, delta, *seg_args)

@@ -16,7 +16,7 @@ from typing import Literal
 
 import jax.numpy as jnp
 
-Mode = Literal["fwd", "bwd", "bwd_atomic"]
+Mode = Literal["fwd", "bwd", "bwd_atomic", "bwd_dq"]
 DqMode = Literal["atomic", "recompute"]
 
 # How dQ is reduced (both bitwise deterministic): "recompute" runs a second
@@ -32,23 +32,42 @@ class BlockSizes:
 
   block_q: query rows per tile. block_k: key rows per tile.
   num_warps, num_stages: Triton's warps per program and pipelining depth.
+  dq: for the "bwd" (recompute) mode only, the blocks of the separate dQ
+    kernel (it owns query tiles, like the forward); None: the same as the
+    dK/dV kernel's.
   """
 
   block_q: int
   block_k: int
   num_warps: int
   num_stages: int
+  dq: "BlockSizes | None" = None
 
   def __post_init__(self):
     for name in ("block_q", "block_k"):
       b = getattr(self, name)
       if b < 16 or b & (b - 1):
         raise ValueError(f"{name} must be a power of two >= 16; got {b}.")
+    if isinstance(self.dq, dict):  # from a JSON override table
+      object.__setattr__(self, "dq", BlockSizes(**self.dq))
+
+  @property
+  def dq_blocks(self) -> "BlockSizes":
+    """Blocks of the recompute-mode dQ kernel."""
+    return self.dq if self.dq is not None else self
+
+  def to_dict(self) -> dict:
+    out = dict(block_q=self.block_q, block_k=self.block_k,
+               num_warps=self.num_warps, num_stages=self.num_stages)
+    if self.dq is not None:
+      out["dq"] = self.dq.to_dict()
+    return out
 
 
 # (compute capability major, head_dim bucket, itemsize, mode) -> BlockSizes.
 # Measured on the H200 (sm_90) with benchmarks/kernel_probe.py; the
-# FOLDAX_BLOCK_TABLE override file takes the same keys.
+# FOLDAX_BLOCK_TABLE override file takes the same keys. Mode "bwd_dq" is the
+# recompute backward's dQ kernel; without an entry it uses the "bwd" blocks.
 _TABLE: dict[tuple[int, int, int, str], BlockSizes] = {
     (9, 64, 2, "fwd"): BlockSizes(128, 64, 8, 3),
     (9, 128, 2, "fwd"): BlockSizes(128, 64, 4, 2),
@@ -109,19 +128,38 @@ def block_sizes_for(*, compute_capability: tuple[int, int] | None,
   d = max(64, head_dim_bucket(head_dim))
   itemsize = min(4, jnp.dtype(dtype).itemsize)
   major = compute_capability[0] if compute_capability else 8
-  key = (major, d, itemsize, mode)
   override = _override_table()
+  if mode == "bwd_dq":
+    # The dQ kernel of the recompute backward: its own entry, else "bwd"'s.
+    return _lookup(override, major, d, itemsize, "bwd_dq") or \
+        dataclasses.replace(_lookup_or_fallback(override, major, d, itemsize,
+                                                "bwd"), dq=None)
+  bs = _lookup_or_fallback(override, major, d, itemsize, mode)
+  if mode == "bwd" and bs.dq is None:
+    dq = _lookup(override, major, d, itemsize, "bwd_dq")
+    if dq is not None and dataclasses.replace(dq, dq=None) != bs:
+      bs = dataclasses.replace(bs, dq=dataclasses.replace(dq, dq=None))
+  return bs
+
+
+def _lookup(override, major, d, itemsize, mode):
+  key = (major, d, itemsize, mode)
   if key in override:
     return override[key]
-  if key in _TABLE:
-    return _TABLE[key]
-  fb = _FALLBACK.get((d, 2, "fwd" if mode == "fwd" else "bwd"))
-  if fb is None:
-    fb = BlockSizes(32, 32, 4, 1)
+  return _TABLE.get(key)
+
+
+def _lookup_or_fallback(override, major, d, itemsize, mode):
+  bs = _lookup(override, major, d, itemsize, mode)
+  if bs is not None:
+    return bs
+  bs = _FALLBACK.get((d, 2, "fwd" if mode == "fwd" else "bwd"))
+  if bs is None:
+    bs = BlockSizes(32, 32, 4, 1)
   if itemsize == 4:
-    fb = BlockSizes(max(16, fb.block_q // 2), max(16, fb.block_k // 2),
-                    fb.num_warps, 1)
-  return fb
+    bs = BlockSizes(max(16, bs.block_q // 2), max(16, bs.block_k // 2),
+                    bs.num_warps, 1)
+  return bs
 
 
 def dq_mode() -> DqMode:
