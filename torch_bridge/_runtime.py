@@ -38,10 +38,10 @@ made from JAX outputs hold the JAX buffers. A torch tensor that dies before
 the JAX work is done returns its memory to torch's caching allocator, whose
 reuse on torch's current stream is ordered after our wait on the outputs.
 Imported buffers are never donated. Inputs are made contiguous only when
-they are not; a contiguous input is handed over as is (no `.detach()`
-alias: see `DETACH_INPUTS`), so that on GPU the capsule's deleter, run on a
-PJRT thread, normally drops a reference the caller still holds and does not
-need the GIL.
+they are not, and exported as a `.detach()`ed alias (`DETACH_INPUTS`; the
+alternative, handing over the caller's tensor itself, is kept switchable for
+A/B timing because the alias's capsule deleter may need the GIL on a PJRT
+thread; it is not yet measured on a GPU).
 
 `FOLDAX_TORCH_DLPACK=protocol` switches to the public DLPack protocol
 (`jax.dlpack.from_dlpack` / `torch.from_dlpack`, one event per tensor): the
@@ -262,15 +262,16 @@ except ImportError:  # pragma: no cover
   _FROM_DLPACK = None
 
 
-# Whether imports wrap a `.detach()`ed alias of each tensor (the old
-# behaviour; kept switchable for A/B timing in `torch_bridge.bench`). Off: the
-# capsule holds the caller's tensor itself. A fresh alias's Python object dies
-# at once while the capsule still holds the alias, so torch "resurrects" it
-# (C++ then owns the PyObject) and the capsule's deleter -- which PJRT runs
+# Whether imports wrap a `.detach()`ed alias of each tensor (the default, as
+# the bridge's contract says). FOLDAX_TORCH_DETACH=0 (and `torch_bridge.bench
+# --phases`, which times both) hands over the caller's tensor itself, a
+# candidate for lower host overhead not yet measured on a GPU: a fresh
+# alias's Python object dies at once while the capsule still holds the
+# alias, so torch "resurrects" it (C++ then owns the PyObject) and the capsule's deleter -- which PJRT runs
 # on its own callback thread on GPU, after JAX's last use -- must take the
 # GIL to free it, contending with the Python threads (the caller, autograd's
 # device thread) once per imported tensor.
-DETACH_INPUTS = os.environ.get("FOLDAX_TORCH_DETACH", "0") == "1"
+DETACH_INPUTS = os.environ.get("FOLDAX_TORCH_DETACH", "1") != "0"
 
 
 def _current_raw_stream(target: Target) -> int:

@@ -178,10 +178,11 @@ def _phases(plan, target, q, k, v, do, qg, kg, vg, doj, static, causal, iters,
     jobs.put(None)
     th.join()
   old = rt.DETACH_INPUTS
-  rt.DETACH_INPUTS = True
+  rt.DETACH_INPUTS = not old
   try:
-    r["bridge_fwd_bwd_detached_imports_us"] = _median_us(bridge_fwd_bwd,
-                                                         iters, device)
+    key = ("bridge_fwd_bwd_undetached_imports_us" if old else
+           "bridge_fwd_bwd_detached_imports_us")
+    r[key] = _median_us(bridge_fwd_bwd, iters, device)
   finally:
     rt.DETACH_INPUTS = old
   sw = sys.getswitchinterval()
