@@ -251,8 +251,8 @@ def _to_dlpack(t):
 
 
 try:  # the C entry points, without Tensor.__dlpack__'s / from_dlpack's
-  # Python checks (and without a `.detach()`: `_to_dlpack` does not look at
-  # requires_grad; the capsule holds the tensor's storage, not its graph use)
+  # Python checks (`_to_dlpack` does not look at requires_grad; the capsule
+  # holds the tensor's storage, not its graph use)
   from torch._C import _to_dlpack as _TO_DLPACK
 except ImportError:  # pragma: no cover
   _TO_DLPACK = None
@@ -267,10 +267,10 @@ except ImportError:  # pragma: no cover
 # --phases`, which times both) hands over the caller's tensor itself, a
 # candidate for lower host overhead not yet measured on a GPU: a fresh
 # alias's Python object dies at once while the capsule still holds the
-# alias, so torch "resurrects" it (C++ then owns the PyObject) and the capsule's deleter -- which PJRT runs
-# on its own callback thread on GPU, after JAX's last use -- must take the
-# GIL to free it, contending with the Python threads (the caller, autograd's
-# device thread) once per imported tensor.
+# alias, so torch "resurrects" it (C++ then owns the PyObject), and the
+# capsule's deleter -- which PJRT runs on its own callback thread on GPU,
+# after JAX's last use -- may then have to take the GIL to free it,
+# contending with the caller and autograd's device thread once per tensor.
 DETACH_INPUTS = os.environ.get("FOLDAX_TORCH_DETACH", "1") != "0"
 
 
