@@ -107,12 +107,58 @@ def overhead(batch=1, heads=16, seq=128, head_dim=128, dtype=None,
   r["import3_us"] = _median_us(import_only, iters, device)
   r["export2_us"] = _median_us(export_only, iters, device)
   if phases:
+    r.update(_host_steps(plan, target, q, out_j, static, iters, device))
     r.update(_phases(plan, target, q, k, v, do, qg, kg, vg, doj, static,
                      causal, iters, device, bridge_fwd_bwd))
   r["overhead_us"] = r["bridge_fwd_us"] - r["jax_fwd_us"]
   r["overhead_fwd_bwd_us"] = r["bridge_fwd_bwd_us"] - r["jax_fwd_bwd_us"]
   r["ratio_fwd"] = r["bridge_fwd_us"] / r["jax_fwd_us"]
   r["ratio_fwd_bwd"] = r["bridge_fwd_bwd_us"] / r["jax_fwd_bwd_us"]
+  return r
+
+
+def _host_steps(plan, target, q, out_j, static, iters, device) -> dict:
+  """Host cost of each step of a bridge call (--phases), back to back
+  without device synchronisation (mean per call, µs): what to trim."""
+  jax_mod = rt._jax_internal()
+  dev, dl_type = target.jax_device, target.dl_type
+  stream = rt.Importer(target).stream
+
+  def mean_us(fn, n=iters):
+    for _ in range(5):
+      fn()
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(n):
+      fn()
+    dt = time.perf_counter() - t0
+    _sync(device)
+    return round(dt / n * 1e6, 2)
+
+  r = {}
+  steps = {
+      "importer_init": lambda: rt.Importer(target),
+      "get_external_stream": (
+          (lambda: dev.get_stream_for_external_ready_events())
+          if target.cuda else None),
+      "detach": lambda: q.detach(),
+      "to_dlpack": lambda: rt._TO_DLPACK(q),
+      "import_one_stream": lambda: jax_mod.dlpack_managed_tensor_to_buffer(
+          rt._TO_DLPACK(q), dev, stream, None, dl_type),
+      "import_one_no_stream": lambda: jax_mod.dlpack_managed_tensor_to_buffer(
+          rt._TO_DLPACK(q), dev, None, None, dl_type),
+      "export_one": lambda: rt.export([out_j], target),
+      "plan_lookup": lambda: A._plan(static, q.device, q.dtype),
+      "current_raw_stream": ((lambda: rt._current_raw_stream(target))
+                             if target.cuda else None),
+  }
+  for name, fn in steps.items():
+    if fn is None:
+      continue
+    try:
+      r[f"step_{name}_us"] = mean_us(fn)
+    except Exception as e:  # noqa: BLE001
+      r[f"step_{name}_us"] = repr(e)[:120]
   return r
 
 

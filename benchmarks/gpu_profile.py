@@ -1,0 +1,152 @@
+"""Where GPU time goes: per-kernel CUDA times of one workload, for JAX and
+torch alike (torch.profiler's CUPTI trace sees every kernel of the process,
+XLA's included).
+
+    python -m benchmarks.gpu_profile deberta --point fwd-b16-l512
+    python -m benchmarks.gpu_profile deberta --point train-b2-l2048 --impls fold_jax
+
+Prints, per implementation: host wall time per call, the sum of kernel
+times per call (the gap is host-bound time), and the kernels that take the
+most time. Writes the same as JSON with --output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import time
+
+
+def _profile(fn, calls: int, top: int) -> dict:
+  import torch
+  from torch.profiler import ProfilerActivity, profile
+  fn()
+  torch.cuda.synchronize()
+  fn()
+  torch.cuda.synchronize()
+  t = time.perf_counter()
+  for _ in range(calls):
+    fn()
+  torch.cuda.synchronize()
+  wall = (time.perf_counter() - t) / calls
+  with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    for _ in range(calls):
+      fn()
+    torch.cuda.synchronize()
+  per = collections.Counter()
+  count = collections.Counter()
+  for ev in prof.events():
+    if ev.device_type.name != "CUDA":
+      continue
+    name = ev.name[:90]
+    per[name] += ev.device_time_total if hasattr(ev, "device_time_total") \
+        else ev.cuda_time_total
+    count[name] += 1
+  total = sum(per.values()) / calls
+  rows = [dict(kernel=n, us_per_call=round(v / calls, 1),
+               launches_per_call=round(count[n] / calls, 2),
+               share=round(v / calls / total, 3) if total else None)
+          for n, v in per.most_common(top)]
+  return dict(wall_ms=round(wall * 1e3, 3), kernel_ms=round(total / 1e3, 3),
+              launches_per_call=round(sum(count.values()) / calls, 1),
+              top=rows)
+
+
+def _deberta(args) -> dict:
+  import jax
+  import torch
+  from benchmarks import deberta as D
+  ns = D.build_parser().parse_args(["--output", "/dev/null", "--quick"])
+  s = D.Suite(ns, [])
+  point = {p.name: p for p in D.GPU_POINTS}[args.point]
+  out = {}
+  for impl in args.impls.split(","):
+    try:
+      fn = _deberta_fn(s, D, point, impl)
+    except Exception as e:  # noqa: BLE001
+      out[impl] = dict(error=repr(e)[:300])
+      continue
+    with torch.no_grad() if point.mode == "fwd" else _null():
+      out[impl] = _profile(fn, args.calls, args.top)
+    print(f"== {impl} {point.label}: wall {out[impl]['wall_ms']} ms, kernels "
+          f"{out[impl]['kernel_ms']} ms, {out[impl]['launches_per_call']} "
+          "launches", flush=True)
+    for r in out[impl]["top"]:
+      print(f"   {r['us_per_call']:9.1f} us  x{r['launches_per_call']:<6} "
+            f"{r['kernel']}")
+  del jax
+  return out
+
+
+class _null:
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *a):
+    return False
+
+
+def _deberta_fn(s, D, point, impl):
+  import jax
+  import jax.numpy as jnp
+  import torch
+  if impl == "fold_jax":
+    model, params = s.jax_model(s.jax_dtype(point))
+    ids, mask = s.jax_inputs(point)
+    if point.mode == "fwd":
+      f = jax.jit(lambda p, i, m: model.apply({"params": p}, i, m))
+      return lambda: jax.block_until_ready(f(params, ids, mask))
+
+    def loss_fn(p, i, m, k):
+      h = model.apply({"params": p}, i, m, deterministic=False,
+                      rngs={"dropout": k})
+      return jnp.mean(jnp.square(h.astype(jnp.float32)))
+    g = jax.jit(jax.value_and_grad(loss_fn))
+    rng = jax.random.key(0)
+    return lambda: jax.block_until_ready(g(params, ids, mask, rng))
+  ids, mask, _ = s.inputs(point)
+  if impl == "disentangled_flash":
+    m = s.df(s.torch_dtype(point), train=point.mode == "train")
+    if isinstance(m, Exception):
+      raise m
+    if point.mode == "fwd":
+      m.encoder.activate_shape(point.L)
+  elif impl == "fold_torch":
+    import torch_bridge
+    m = s.hf(s.torch_dtype(point))
+    torch_bridge.optimize_deberta(m)
+  elif impl == "hf_eager":
+    m = s.hf(s.torch_dtype(point))
+  else:
+    raise ValueError(impl)
+  if point.mode == "fwd":
+    return lambda: m(input_ids=ids, attention_mask=mask).last_hidden_state
+  m.train()
+
+  def step():
+    h = m(input_ids=ids, attention_mask=mask).last_hidden_state
+    h.float().square().mean().backward()
+  return step
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("workload", choices=["deberta"])
+  p.add_argument("--point", default="fwd-b16-l512")
+  p.add_argument("--impls", default="fold_jax,disentangled_flash,fold_torch")
+  p.add_argument("--calls", type=int, default=5)
+  p.add_argument("--top", type=int, default=18)
+  p.add_argument("--output", default=None)
+  a = p.parse_args(argv)
+  r = _deberta(a)
+  if a.output:
+    with open(a.output, "w") as f:
+      json.dump(dict(workload=a.workload, point=a.point, results=r), f,
+                indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
