@@ -39,10 +39,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jax_api import _lean_ops as lean
 from jax_api.deberta.attention import disentangled_attention
 
 _ACTS = {
-    "gelu": lambda x: nn.gelu(x, approximate=False),
+    "gelu": lean.gelu_erf,
     "gelu_new": lambda x: nn.gelu(x, approximate=True),
     "gelu_pytorch_tanh": lambda x: nn.gelu(x, approximate=True),
     "gelu_fast": lambda x: nn.gelu(x, approximate=True),
@@ -152,8 +153,8 @@ def _dense(features, m: "_Common", use_bias=True, name=None):
 
 
 def _layer_norm(cfg, dtype, param_dtype, name=None):
-  return nn.LayerNorm(epsilon=cfg.layer_norm_eps, dtype=dtype,
-                      param_dtype=param_dtype, name=name)
+  return lean.LayerNorm(epsilon=cfg.layer_norm_eps, dtype=dtype,
+                        param_dtype=param_dtype, name=name)
 
 
 class _Common(nn.Module):
@@ -202,7 +203,7 @@ class DebertaV2SelfAttention(_Common):
         self.pos_key_proj = mk("pos_key_proj")
       if "p2c" in cfg.pos_att_type:
         self.pos_query_proj = mk("pos_query_proj")
-    self.pos_dropout = nn.Dropout(cfg.hidden_dropout_prob)
+    self.pos_dropout = lean.Dropout(cfg.hidden_dropout_prob)
 
   def __call__(self, hidden, attention_mask=None, rel_embeddings=None, *,
                cu_seqlens=None, max_seqlen=None, deterministic: bool = True):
@@ -263,7 +264,7 @@ class DebertaV2SelfOutput(_Common):
     cfg = self.config
     self.dense = _dense(cfg.hidden_size, self)
     self.LayerNorm = _layer_norm(cfg, self.dtype, self.param_dtype)
-    self.dropout = nn.Dropout(cfg.hidden_dropout_prob)
+    self.dropout = lean.Dropout(cfg.hidden_dropout_prob)
 
   def __call__(self, hidden, input_tensor, deterministic=True):
     h = self.dropout(self.dense(hidden), deterministic=deterministic)
@@ -300,7 +301,7 @@ class DebertaV2Output(_Common):
     cfg = self.config
     self.dense = _dense(cfg.hidden_size, self)
     self.LayerNorm = _layer_norm(cfg, self.dtype, self.param_dtype)
-    self.dropout = nn.Dropout(cfg.hidden_dropout_prob)
+    self.dropout = lean.Dropout(cfg.hidden_dropout_prob)
 
   def __call__(self, hidden, input_tensor, deterministic=True):
     h = self.dropout(self.dense(hidden), deterministic=deterministic)
@@ -411,7 +412,7 @@ class ConvLayer(_Common):
     m = input_mask[..., None].astype(out.dtype)
     out = out * m
     out = activation(cfg.conv_act)(
-        nn.Dropout(cfg.hidden_dropout_prob)(out, deterministic=deterministic))
+        lean.Dropout(cfg.hidden_dropout_prob)(out, deterministic=deterministic))
     y = _layer_norm(cfg, self.dtype, self.param_dtype, name="LayerNorm")(
         residual + out)
     return y * m
@@ -484,7 +485,7 @@ class DebertaV2Embeddings(_Common):
     if esize != cfg.hidden_size:
       self.embed_proj = _dense(cfg.hidden_size, self, use_bias=False)
     self.LayerNorm = _layer_norm(cfg, self.dtype, self.param_dtype)
-    self.dropout = nn.Dropout(cfg.hidden_dropout_prob)
+    self.dropout = lean.Dropout(cfg.hidden_dropout_prob)
 
   def __call__(self, input_ids, token_type_ids=None, position_ids=None,
                mask=None, deterministic=True):
@@ -563,7 +564,7 @@ class ContextPooler(_Common):
   def setup(self):
     cfg = self.config
     self.dense = _dense(cfg.pooler_hidden_size or cfg.hidden_size, self)
-    self.dropout = nn.Dropout(cfg.pooler_dropout)
+    self.dropout = lean.Dropout(cfg.pooler_dropout)
 
   def __call__(self, hidden, deterministic=True):
     x = self.dropout(hidden[..., 0, :], deterministic=deterministic)
@@ -579,7 +580,7 @@ class DebertaV2ForSequenceClassification(_Common):
     self.deberta = DebertaV2Model(**kw)
     self.pooler = ContextPooler(**kw)
     self.classifier = _dense(self.config.num_labels, self)
-    self.dropout = nn.Dropout(self.config.hidden_dropout_prob)
+    self.dropout = lean.Dropout(self.config.hidden_dropout_prob)
 
   def __call__(self, input_ids, attention_mask=None, token_type_ids=None, *,
                deterministic: bool = True):
@@ -607,9 +608,21 @@ def _nnx_linear(n_in, n_out, dtype, param_dtype, rngs, bias=True,
                     kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
 
 
+class _LeanLayerNormNNX(nnx.LayerNorm):
+  """nnx.LayerNorm's parameters with `_lean_ops.layer_norm` (the linen
+  modules' LayerNorm: same numerics, lean backward)."""
+
+  def __call__(self, x, *, mask=None):
+    if mask is not None:
+      return super().__call__(x, mask=mask)
+    dtype = self.dtype or jnp.result_type(x.dtype, self.param_dtype)
+    return lean.layer_norm(x, self.scale[...], self.bias[...],
+                           float(self.epsilon), jnp.dtype(dtype))
+
+
 def _nnx_layer_norm(cfg, dtype, param_dtype, rngs):
-  return nnx.LayerNorm(cfg.hidden_size, epsilon=cfg.layer_norm_eps,
-                       dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+  return _LeanLayerNormNNX(cfg.hidden_size, epsilon=cfg.layer_norm_eps,
+                           dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
 
 def _nnx_det(module, deterministic):

@@ -77,6 +77,9 @@ _TABLE: dict[tuple[int, int, int, str], BlockSizes] = {
     (9, 256, 4, "fwd"): BlockSizes(32, 32, 4, 1),
     (9, 64, 2, "bwd"): BlockSizes(64, 64, 4, 2),
     (9, 128, 2, "bwd"): BlockSizes(64, 64, 4, 2),
+    # dkdv 64x64 w4 + dq 128x128 w8: fwd+bwd 5.41 ms at B2 H16 S8192 causal
+    # (dq 64x64: 5.46; benchmarks/results/h200/bwd-probe-2026-12-03.json).
+    (9, 128, 2, "bwd_dq"): BlockSizes(128, 128, 8, 2),
     (9, 256, 2, "bwd"): BlockSizes(32, 64, 8, 1),
     (9, 64, 4, "bwd"): BlockSizes(32, 64, 4, 1),
     (9, 128, 4, "bwd"): BlockSizes(32, 64, 4, 1),
