@@ -60,6 +60,7 @@ def _deberta(args) -> dict:
   from benchmarks import deberta as D
   ns = D.build_parser().parse_args(["--output", "/dev/null", "--quick"])
   s = D.Suite(ns, [])
+  s.args.dump_hlo = args.dump_hlo
   point = {p.name: p for p in D.GPU_POINTS}[args.point]
   out = {}
   for impl in args.impls.split(","):
@@ -80,6 +81,59 @@ def _deberta(args) -> dict:
   return out
 
 
+def _bridge(args) -> dict:
+  """Host time of a bridge forward+backward (B1 H16 S128 D128 bf16 causal):
+  wall time of each part over many calls, then a torch.profiler CPU trace
+  with Python frames (the autograd engine's share shows up there)."""
+  import statistics
+  import torch
+  from torch.profiler import ProfilerActivity, profile
+  import torch_bridge as tb
+  dev = torch.device("cuda")
+  shape = (1, args.seq, 16, 128)
+  q, k, v = (torch.randn(shape, device=dev, dtype=torch.bfloat16,
+                         requires_grad=True) for _ in range(3))
+  do = torch.randn(shape, device=dev, dtype=torch.bfloat16)
+  parts = collections.defaultdict(list)
+
+  def call(sync=True):
+    t0 = time.perf_counter()
+    out = tb.fold_attn_func(q, k, v, causal=True)
+    t1 = time.perf_counter()
+    g = torch.autograd.grad(out, (q, k, v), do)
+    t2 = time.perf_counter()
+    if sync:
+      torch.cuda.synchronize()
+    t3 = time.perf_counter()
+    parts["forward_call"].append(t1 - t0)
+    parts["autograd_grad_call"].append(t2 - t1)
+    parts["sync"].append(t3 - t2)
+    return g
+
+  for _ in range(20):
+    call()
+  parts.clear()
+  for _ in range(args.calls * 40):
+    call()
+  res = {k: round(statistics.median(v) * 1e6, 1) for k, v in parts.items()}
+  print("bridge fwd+bwd parts (median us):", res, flush=True)
+  with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+               with_stack=True) as prof:
+    for _ in range(args.calls * 4):
+      call()
+  n = args.calls * 4
+  rows = []
+  for e in sorted(prof.key_averages(group_by_stack_n=0),
+                  key=lambda e: -e.cpu_time_total)[:args.top * 2]:
+    rows.append(dict(name=e.key[:100], cpu_us_per_call=round(
+        e.cpu_time_total / n, 1), self_cpu_us_per_call=round(
+        e.self_cpu_time_total / n, 1), count_per_call=round(e.count / n, 2)))
+    print(f"   {rows[-1]['cpu_us_per_call']:9.1f} us total "
+          f"{rows[-1]['self_cpu_us_per_call']:9.1f} self  "
+          f"x{rows[-1]['count_per_call']:<5} {rows[-1]['name']}")
+  return dict(parts_us=res, cpu_profile=rows)
+
+
 class _null:
   def __enter__(self):
     return self
@@ -97,6 +151,9 @@ def _deberta_fn(s, D, point, impl):
     ids, mask = s.jax_inputs(point)
     if point.mode == "fwd":
       f = jax.jit(lambda p, i, m: model.apply({"params": p}, i, m))
+      if s.args.dump_hlo:
+        with open(s.args.dump_hlo, "w") as fh:
+          fh.write(f.lower(params, ids, mask).compile().as_text())
       return lambda: jax.block_until_ready(f(params, ids, mask))
 
     def loss_fn(p, i, m, k):
@@ -133,14 +190,17 @@ def _deberta_fn(s, D, point, impl):
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("workload", choices=["deberta"])
+  p.add_argument("workload", choices=["deberta", "bridge"])
+  p.add_argument("--seq", type=int, default=128)
+  p.add_argument("--dump-hlo", default=None,
+                 help="deberta fold_jax forward: write the optimised HLO here")
   p.add_argument("--point", default="fwd-b16-l512")
   p.add_argument("--impls", default="fold_jax,disentangled_flash,fold_torch")
   p.add_argument("--calls", type=int, default=5)
   p.add_argument("--top", type=int, default=18)
   p.add_argument("--output", default=None)
   a = p.parse_args(argv)
-  r = _deberta(a)
+  r = _deberta(a) if a.workload == "deberta" else _bridge(a)
   if a.output:
     with open(a.output, "w") as f:
       json.dump(dict(workload=a.workload, point=a.point, results=r), f,
