@@ -89,12 +89,15 @@ def _bridge(args) -> dict:
   import torch
   from torch.profiler import ProfilerActivity, profile
   import torch_bridge as tb
-  dev = torch.device("cuda")
+  dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+  sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
   shape = (1, args.seq, 16, 128)
   q, k, v = (torch.randn(shape, device=dev, dtype=torch.bfloat16,
                          requires_grad=True) for _ in range(3))
   do = torch.randn(shape, device=dev, dtype=torch.bfloat16)
   parts = collections.defaultdict(list)
+
+  _sync = sync
 
   def call(sync=True):
     t0 = time.perf_counter()
@@ -103,13 +106,14 @@ def _bridge(args) -> dict:
     g = torch.autograd.grad(out, (q, k, v), do)
     t2 = time.perf_counter()
     if sync:
-      torch.cuda.synchronize()
+      _sync()
     t3 = time.perf_counter()
     parts["forward_call"].append(t1 - t0)
     parts["autograd_grad_call"].append(t2 - t1)
     parts["sync"].append(t3 - t2)
     return g
 
+  res_steps = _bridge_step_timers(q, k, v, do, call, args)
   for _ in range(20):
     call()
   parts.clear()
@@ -117,7 +121,9 @@ def _bridge(args) -> dict:
     call()
   res = {k: round(statistics.median(v) * 1e6, 1) for k, v in parts.items()}
   print("bridge fwd+bwd parts (median us):", res, flush=True)
-  with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+  acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type ==
+                                   "cuda" else [])
+  with profile(activities=acts,
                with_stack=True) as prof:
     for _ in range(args.calls * 4):
       call()
@@ -131,7 +137,78 @@ def _bridge(args) -> dict:
     print(f"   {rows[-1]['cpu_us_per_call']:9.1f} us total "
           f"{rows[-1]['self_cpu_us_per_call']:9.1f} self  "
           f"x{rows[-1]['count_per_call']:<5} {rows[-1]['name']}")
-  return dict(parts_us=res, cpu_profile=rows)
+  return dict(parts_us=res, steps_us=res_steps, cpu_profile=rows)
+
+
+def _bridge_step_timers(q, k, v, do, call, args) -> dict:
+  """Medians (us) of the bridge's steps, per thread (main: forward; other:
+  autograd's device thread, backward), with and without pinned thread
+  states; plus the backward body called on the main thread."""
+  import statistics
+  import threading
+  import torch
+  from torch_bridge import _runtime as rt
+  from torch_bridge import attention as A
+  rec = collections.defaultdict(list)
+
+  def where():
+    return "main" if threading.current_thread() is threading.main_thread() \
+        else "autograd"
+
+  def timed(name, fn):
+    def w(*a, **kw):
+      t = time.perf_counter()
+      try:
+        return fn(*a, **kw)
+      finally:
+        rec[f"{where()}:{name}"].append(time.perf_counter() - t)
+    return w
+
+  orig = dict(imp_init=rt.Importer.__init__, imp_call=rt.Importer.__call__,
+              export=rt.export, fwd_impl=A._fwd_impl, bwd_impl=A._bwd_impl)
+  sync = torch.cuda.synchronize if q.is_cuda else (lambda: None)
+  static = (A.resolve_backend(q), True, -1, 0, 0.0, 128 ** -0.5, 0, 0, False)
+  A._plan(static, q.device, q.dtype)
+  call()
+  plans = list(A._plans.values())
+  saved = [(p_.fwd, p_.bwd) for p_ in plans]
+  out = {}
+  try:
+    rt.Importer.__init__ = timed("importer_init", orig["imp_init"])
+    rt.Importer.__call__ = timed("import_one", orig["imp_call"])
+    rt.export = timed("export", orig["export"])
+    A._fwd_impl = timed("fwd_impl", orig["fwd_impl"])
+    A._bwd_impl = timed("bwd_impl", orig["bwd_impl"])
+    for p_, (pf, pb) in zip(plans, saved):
+      p_.fwd = timed("jax_fwd_dispatch", pf)
+      p_.bwd = timed("jax_bwd_dispatch", pb)
+    for pin in (False, True):
+      rt.PIN_THREAD_STATE = pin
+      for _ in range(10):
+        call()
+      rec.clear()
+      for _ in range(args.calls * 40):
+        call()
+      (o, l, a), kept = orig["fwd_impl"](q.detach(), k.detach(), v.detach(),
+                                         None, None, None, None, None, static,
+                                         keep=True, aux_tensor=False)
+      sync()
+      for _ in range(args.calls * 40):
+        A._bwd_impl(do, None, q, k, v, None, None, None, None, None, o, l, a,
+                    static, kept=kept, ds_tensor=False)
+        sync()
+      out[f"pin={pin}"] = {n: round(statistics.median(x) * 1e6, 1)
+                           for n, x in sorted(rec.items())}
+      print(f"bridge steps, pin={pin} (median us):", out[f"pin={pin}"],
+            flush=True)
+  finally:
+    rt.Importer.__init__ = orig["imp_init"]
+    rt.Importer.__call__ = orig["imp_call"]
+    rt.export = orig["export"]
+    A._fwd_impl, A._bwd_impl = orig["fwd_impl"], orig["bwd_impl"]
+    for p_, (pf, pb) in zip(plans, saved):
+      p_.fwd, p_.bwd = pf, pb
+  return out
 
 
 class _null:
