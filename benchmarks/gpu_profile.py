@@ -142,8 +142,8 @@ def _bridge(args) -> dict:
 
 def _bridge_step_timers(q, k, v, do, call, args) -> dict:
   """Medians (us) of the bridge's steps, per thread (main: forward; other:
-  autograd's device thread, backward), with and without pinned thread
-  states; plus the backward body called on the main thread."""
+  autograd's device thread, backward), plus the backward body called on the
+  main thread."""
   import statistics
   import threading
   import torch
@@ -182,8 +182,7 @@ def _bridge_step_timers(q, k, v, do, call, args) -> dict:
     for p_, (pf, pb) in zip(plans, saved):
       p_.fwd = timed("jax_fwd_dispatch", pf)
       p_.bwd = timed("jax_bwd_dispatch", pb)
-    for pin in (False, True):
-      rt.PIN_THREAD_STATE = pin
+    for pin in (None,):
       for _ in range(10):
         call()
       rec.clear()
@@ -197,10 +196,9 @@ def _bridge_step_timers(q, k, v, do, call, args) -> dict:
         A._bwd_impl(do, None, q, k, v, None, None, None, None, None, o, l, a,
                     static, kept=kept, ds_tensor=False)
         sync()
-      out[f"pin={pin}"] = {n: round(statistics.median(x) * 1e6, 1)
-                           for n, x in sorted(rec.items())}
-      print(f"bridge steps, pin={pin} (median us):", out[f"pin={pin}"],
-            flush=True)
+      out = {n: round(statistics.median(x) * 1e6, 1)
+             for n, x in sorted(rec.items())}
+      print("bridge steps (median us):", out, flush=True)
   finally:
     rt.Importer.__init__ = orig["imp_init"]
     rt.Importer.__call__ = orig["imp_call"]

@@ -289,35 +289,6 @@ def _current_raw_stream(target: Target) -> int:
   return raw or 1
 
 
-# Whether foreign threads keep their Python thread state between calls (see
-# `keep_thread_state`); FOLDAX_TORCH_PIN_THREAD=0 turns it off for A/B timing.
-PIN_THREAD_STATE = os.environ.get("FOLDAX_TORCH_PIN_THREAD", "1") != "0"
-_pinned_threads: set = set()
-
-
-def keep_thread_state() -> None:
-  """Keeps the Python thread state of the calling thread alive if it is a
-  thread Python did not start (autograd's CUDA device thread runs our
-  backwards). pybind11 creates a thread state for such a thread on every
-  call into Python and deletes it on the way out, and with it JAX's
-  thread-local state: each backward's first JAX dispatch then re-initialises
-  it (measured ~70-100 us per call on a fresh thread state, 4 us after).
-  One extra `PyGILState_Ensure` (never released, once per thread) keeps the
-  state alive, as it is for a Python thread."""
-  if not PIN_THREAD_STATE:
-    return
-  tid = threading.get_ident()
-  if tid in _pinned_threads:
-    return
-  _pinned_threads.add(tid)
-  dummy = getattr(threading, "_DummyThread", None)
-  if dummy is None or not isinstance(threading.current_thread(), dummy):
-    return  # a Python thread: its state lives as long as the thread
-  import ctypes
-  ctypes.pythonapi.PyGILState_Ensure.restype = ctypes.c_int
-  ctypes.pythonapi.PyGILState_Ensure()
-
-
 class Importer:
   """Imports the torch tensors of one call into JAX (see module docs).
 
@@ -330,7 +301,6 @@ class Importer:
 
   def __init__(self, target: Target):
     global _low_level
-    keep_thread_state()
     self.target = target
     self.stream = None
     self._dev = target.jax_device
