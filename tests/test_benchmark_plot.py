@@ -80,13 +80,21 @@ def _strip(s: str) -> str:
                 r"h200/\S*\.json", "", s)
 
 
-def test_committed_latest_table_matches_its_json(tmp_path):
+# The second run of 2026-12-03 (after the backward tiles and the DeBERTa
+# training-memory changes; dense anchor, decode, three DeBERTa points).
+H200_RERUN = H200 / "rerun-2026-12-03"
+
+
+@pytest.mark.parametrize("jsons, folder", [
+    (H200_LATEST, H200),
+    ([H200_RERUN / "rerun-2026-12-03.json"], H200_RERUN)])
+def test_committed_latest_table_matches_its_json(tmp_path, jsons, folder):
   from benchmarks import plot
-  out = plot.plot_all(H200_LATEST, tmp_path)
+  out = plot.plot_all(jsons, tmp_path)
   for p in out:
-    assert (H200 / p.name).exists(), f"regenerate: see {H200 / 'table.md'}"
+    assert (folder / p.name).exists(), f"regenerate: see {folder / 'table.md'}"
   assert _strip((tmp_path / "table.md").read_text()) == _strip(
-      (H200 / "table.md").read_text())
+      (folder / "table.md").read_text())
 
 
 def test_cli_and_merged_run_format(tmp_path):
