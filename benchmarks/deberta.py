@@ -403,8 +403,8 @@ class Suite:
       self.cache[key] = m
     return self.cache[key]
 
-  def jax_model(self, jdtype):
-    key = ("jax", str(jdtype))
+  def jax_model(self, jdtype, remat: bool = False):
+    key = ("jax", str(jdtype), remat)
     if key not in self.cache:
       import jax
       import jax.numpy as jnp
@@ -416,7 +416,8 @@ class Suite:
         self.md["jax_convert_s"] = round(time.perf_counter() - t, 2)
       model32, p32 = self.cache["jax_fp32"]
       model = DebertaV2Model(config=model32.config, dtype=jdtype,
-                             param_dtype=jdtype, attention_backend="auto")
+                             param_dtype=jdtype, attention_backend="auto",
+                             remat=remat)
       params = jax.tree.map(lambda a: jnp.asarray(a, jdtype), p32)
       self.cache[key] = (model, params)
     return self.cache[key]
@@ -736,7 +737,14 @@ class Suite:
     import jax
     import jax.numpy as jnp
     jdt = self.jax_dtype(point)
-    model, params0 = self.jax_model(jdt)
+    # FOLDAX_DEBERTA_REMAT=1: the training step recomputes each layer's
+    # forward in the backward (DebertaV2Model(remat=True)).
+    remat = os.environ.get("FOLDAX_DEBERTA_REMAT", "0") == "1"
+    model, params0 = self.jax_model(jdt, remat=remat)
+    rec["remat"] = remat
+    if remat:
+      rec["notes"].append("remat=True (FOLDAX_DEBERTA_REMAT=1): each "
+                          "encoder layer recomputed in the backward")
     ids, mask = self.jax_inputs(point)
     rng = jax.random.key(0)
 
@@ -750,7 +758,7 @@ class Suite:
       p = jax.tree.map(lambda a, b: (a - SGD_LR * b).astype(a.dtype), p, g)
       return p, loss
 
-    key = ("compiled", "fold_jax", "train", point.B, point.L)
+    key = ("compiled", "fold_jax", "train", point.B, point.L, remat)
     # The step donates its parameters: work on a copy.
     state = jax.tree.map(jnp.copy, params0)
     if key not in self.cache:

@@ -14,6 +14,11 @@ Plain autodiff of `nn.gelu(x, approximate=False)` keeps four
   same mask from it (the mask is what flax's `nn.Dropout` draws from the
   same key: `jax.random.bernoulli(key, 1 - rate, x.shape)`).
 
+Each backward first passes what it kept through `jax.lax.optimization_barrier`
+(as `jax.checkpoint` does): otherwise XLA merges the recomputation with the
+forward's identical one (CSE) and keeps the forward's float32 intermediates
+(or the dropout's random bits) alive until the backward after all.
+
 All three compute in float32 and round once to the output dtype. With a
 DeBERTa-v3-base training step at B2 L2048 this is most of the activation
 memory (see benchmarks/deberta.py, `train` points).
@@ -48,6 +53,7 @@ def _gelu_fwd(x):
 
 
 def _gelu_bwd(x, g):
+  x = jax.lax.optimization_barrier(x)
   xf = x.astype(jnp.float32)
   cdf = 0.5 * (1.0 + jax.lax.erf(xf * _INV_SQRT2))
   pdf = _INV_SQRT_2PI * jnp.exp(-0.5 * xf * xf)
@@ -87,6 +93,7 @@ def _ln_fwd(x, scale, bias, eps, dtype):
 def _ln_bwd(eps, dtype, res, g):
   del eps, dtype
   x, mean, rstd, scale, bias = res
+  x, mean, rstd = jax.lax.optimization_barrier((x, mean, rstd))
   xhat = (x.astype(jnp.float32) - mean) * rstd
   gf = g.astype(jnp.float32)
   lead = tuple(range(gf.ndim - 1))
@@ -141,6 +148,9 @@ def _dropout_fwd(x, key, rate):
 
 def _dropout_bwd(rate, key, g):
   keep_prob = 1.0 - rate
+  key = jax.random.wrap_key_data(
+      jax.lax.optimization_barrier(jax.random.key_data(key)),
+      impl=jax.random.key_impl(key))
   mask = jax.random.bernoulli(key, keep_prob, g.shape)
   dx = jax.lax.select(mask, g / jnp.asarray(keep_prob, g.dtype),
                       jnp.zeros_like(g))

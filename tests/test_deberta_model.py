@@ -125,6 +125,29 @@ def test_hf_parity_kernel_backend(main_case):
     assert np.abs(c["grads"][name]).max() > 1e-3, name
 
 
+def test_remat_same_params_and_gradients(main_case):
+  """remat=True (each layer recomputed in the backward) keeps the parameter
+  tree and gives the HF gradients too, with dropout on (the recomputation
+  draws the same masks)."""
+  c = main_case
+  m = c["model"]
+  rm = m.clone(remat=True)
+  assert jax.tree.structure(rm.init(jax.random.key(0), jnp.asarray(c["ids"]),
+                                    jnp.asarray(c["mask"]))["params"]) == \
+      jax.tree.structure(c["params"])
+  out, grads = _jax_forward_backward(rm, c["params"], c["ids"], c["mask"],
+                                     c["w"])
+  _compare(out, c["ref_out"], grads, c["ref_grads"], c["mask"])
+  kw = dict(deterministic=False, rngs={"dropout": jax.random.key(7)})
+  a = _jax_forward_backward(m, c["params"], c["ids"], c["mask"], c["w"], **kw)
+  b = _jax_forward_backward(rm, c["params"], c["ids"], c["mask"], c["w"],
+                            **kw)
+  np.testing.assert_allclose(b[0], a[0], atol=1e-5, rtol=0)
+  for name, g in a[1].items():
+    np.testing.assert_allclose(b[1][name], g, atol=GRAD_ATOL, rtol=0,
+                               err_msg=name)
+
+
 def test_padded_and_packed_agree(main_case):
   c = main_case
   ids, mask = c["ids"], c["mask"]

@@ -167,6 +167,10 @@ class _Common(nn.Module):
     full float32 (e.g. parity with PyTorch, whose float32 matmuls are full
     precision by default). The attention itself always uses full-precision
     dots for float32 inputs, whatever this is.
+  remat: recompute each encoder layer's forward in the backward
+    (`flax.linen.remat`, HF's gradient checkpointing): training keeps only
+    each layer's input, at the cost of one more forward per layer. Same
+    parameters, same dropout masks.
   """
 
   config: DebertaV2Config
@@ -174,12 +178,13 @@ class _Common(nn.Module):
   param_dtype: Any = jnp.float32
   attention_backend: str = "auto"
   precision: Any = None
+  remat: bool = False
 
   def _child_kw(self) -> dict:
     return dict(config=self.config, dtype=self.dtype,
                 param_dtype=self.param_dtype,
                 attention_backend=self.attention_backend,
-                precision=self.precision)
+                precision=self.precision, remat=self.remat)
 
 
 class DebertaV2SelfAttention(_Common):
@@ -316,7 +321,7 @@ class DebertaV2Layer(_Common):
     self.intermediate = DebertaV2Intermediate(**kw)
     self.output = DebertaV2Output(**kw)
 
-  def __call__(self, hidden, attention_mask, rel_embeddings, *,
+  def __call__(self, hidden, attention_mask, rel_embeddings,
                cu_seqlens=None, max_seqlen=None, deterministic=True):
     att = self.attention(hidden, attention_mask, rel_embeddings,
                          cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
@@ -329,12 +334,17 @@ class _LayerCollection(_Common):
   """Holds the layers under the names "0", "1", ... (HF's `layer.{i}`)."""
 
   def setup(self):
-    self.layers = [
-        DebertaV2Layer(**self._child_kw(), name=str(i))
-        for i in range(self.config.num_hidden_layers)]
+    # remat: max_seqlen and deterministic (positions 5, 6 counting self)
+    # are Python values the layer branches on.
+    cls = (nn.remat(DebertaV2Layer, static_argnums=(5, 6)) if self.remat
+           else DebertaV2Layer)
+    self.layers = [cls(**self._child_kw(), name=str(i))
+                   for i in range(self.config.num_hidden_layers)]
 
-  def __call__(self, i, *args, **kwargs):
-    return self.layers[i](*args, **kwargs)
+  def __call__(self, i, hidden, attention_mask, rel_embeddings, *,
+               cu_seqlens=None, max_seqlen=None, deterministic=True):
+    return self.layers[i](hidden, attention_mask, rel_embeddings, cu_seqlens,
+                          max_seqlen, deterministic)
 
 
 def _same_sequence_shift(x, shift: int, cu_seqlens):
