@@ -17,6 +17,7 @@ import numpy as np
 
 from jax_api import _validation as val
 from jax_api._backend import _gpu_capability, resolve_backend
+from pallas_kernels._varlen import token_seq_ids
 from pallas_kernels.deberta import _dropout
 from pallas_kernels.deberta._geometry import geometry
 from pallas_kernels.deberta.backward import disentangled_backward
@@ -208,7 +209,7 @@ def disentangled_attention(
     if packed:
       cu = jnp.asarray(cu_seqlens, jnp.int32)
       t = jnp.arange(q.shape[0], dtype=jnp.int32)
-      sid = jnp.searchsorted(cu, t, side="right").astype(jnp.int32) - 1
+      sid = token_seq_ids(cu, q.shape[0])
       valid = t < cu[-1]
       sid = jnp.where(valid, sid, -1)
       pos = t - cu[jnp.clip(sid, 0, cu.shape[0] - 2)]

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 
 from jax_api import _lean_ops as lean
 from jax_api.deberta.attention import disentangled_attention
+from pallas_kernels._varlen import token_seq_ids, token_seq_ids_clipped
 
 _ACTS = {
     "gelu": lean.gelu_erf,
@@ -362,7 +363,7 @@ def _same_sequence_shift(x, shift: int, cu_seqlens):
   if cu_seqlens is None:
     return y
   idx = jnp.arange(n) + shift
-  sid = jnp.searchsorted(cu_seqlens, jnp.arange(n), side="right")
+  sid = token_seq_ids(cu_seqlens, n)
   inside = (idx >= 0) & (idx < n) & (sid[jnp.clip(idx, 0, n - 1)] == sid)
   return jnp.where(inside[:, None], y, 0)
 
@@ -519,8 +520,7 @@ def packed_positions(cu_seqlens, total: int):
   """int32 [total]: position of each packed token in its sequence (0 past
   cu_seqlens[-1])."""
   t = jnp.arange(total, dtype=jnp.int32)
-  sid = jnp.clip(jnp.searchsorted(cu_seqlens, t, side="right") - 1, 0,
-                 cu_seqlens.shape[0] - 2)
+  sid = token_seq_ids_clipped(cu_seqlens, total)
   return jnp.where(t < cu_seqlens[-1], t - cu_seqlens[sid], 0)
 
 

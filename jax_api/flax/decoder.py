@@ -53,6 +53,7 @@ from flax import nnx
 
 from jax_api.dense import fold_attn_func, fold_attn_varlen_func
 from jax_api.kvcache import FoldKVCache, fold_attn_with_kvcache
+from pallas_kernels._varlen import token_seq_ids_clipped
 
 __all__ = ["DecoderAttention", "DecoderAttentionNNX", "apply_rope",
            "segment_positions", "varlen_positions"]
@@ -96,8 +97,7 @@ def varlen_positions(cu_seqlens, total: int):
   past cu_seqlens[-1] get positions past the last sequence's end)."""
   cu = jnp.asarray(cu_seqlens, jnp.int32)
   t = jnp.arange(total, dtype=jnp.int32)
-  seq = jnp.clip(jnp.searchsorted(cu, t, side="right") - 1, 0,
-                 cu.shape[0] - 2)
+  seq = token_seq_ids_clipped(cu, total)
   return t - cu[seq]
 
 

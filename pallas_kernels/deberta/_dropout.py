@@ -18,6 +18,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels._varlen import token_seq_ids_clipped
+
 _M1 = np.uint32(0x85EBCA6B)
 _M2 = np.uint32(0xC2B2AE35)
 _GOLD = np.uint32(0x9E3779B9)
@@ -92,7 +94,6 @@ def keep_mask_varlen(seed, heads: int, cu_seqlens, total: int, rate: float):
   (entries of pairs in different sequences are meaningless)."""
   cu = jnp.asarray(cu_seqlens, jnp.int32)
   t = jnp.arange(total, dtype=jnp.int32)
-  sid = jnp.clip(jnp.searchsorted(cu, t, side="right").astype(jnp.int32) - 1,
-                 0, cu.shape[0] - 2)
+  sid = token_seq_ids_clipped(cu, total)
   pos = t - cu[sid]
   return keep_mask_dense(seed, sid[None], heads, pos[None], pos[None], rate)

@@ -48,6 +48,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels._varlen import token_seq_ids_clipped
 from pallas_kernels.deberta import _common as cm
 from pallas_kernels.deberta import _dropout
 from pallas_kernels.deberta.config import (DebertaBlocks, KernelConfig,
@@ -478,8 +479,7 @@ def disentangled_backward(q, k, v, pos_key, pos_query, c2p_table, p2c_table,
   band_p = outs[2] if cfg.p2c else None
 
   t_idx = jnp.arange(total, dtype=jnp.int32)
-  sid = jnp.clip(jnp.searchsorted(cu_seqlens, t_idx, side="right") - 1, 0,
-                 num_seqs - 1).astype(jnp.int32)
+  sid = token_seq_ids_clipped(cu_seqlens, total)
   tok_pos = t_idx - cu_seqlens[sid]
   tok_len = jnp.where(in_seq, cu_seqlens[sid + 1] - cu_seqlens[sid], 0)
   precise = jnp.dtype(q.dtype) == jnp.float32

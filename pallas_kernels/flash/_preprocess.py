@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import _varlen
 from pallas_kernels.flash import _tiles
 from pallas_kernels.flash.config import head_dim_bucket
 
@@ -136,7 +137,7 @@ def token_sequence_ids(cu_seqlens, total: int):
   """int32 [total]: the sequence of each packed token; num_seqs for tokens
   past cu_seqlens[-1] (they belong to no sequence)."""
   t = jnp.arange(total, dtype=jnp.int32)
-  seq = jnp.searchsorted(cu_seqlens, t, side="right").astype(jnp.int32) - 1
+  seq = _varlen.token_seq_ids(cu_seqlens, total)
   return jnp.where(t < cu_seqlens[-1], seq, cu_seqlens.shape[0] - 1)
 
 

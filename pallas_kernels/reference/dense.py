@@ -29,6 +29,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels._varlen import token_seq_ids
+
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
@@ -65,7 +67,7 @@ def varlen_mask_spec(cu_seqlens, total: int) -> MaskSpec:
   """
   cu = jnp.asarray(cu_seqlens, jnp.int32)
   t = jnp.arange(total, dtype=jnp.int32)
-  seq = jnp.searchsorted(cu, t, side="right").astype(jnp.int32) - 1
+  seq = token_seq_ids(cu, total)
   n = cu.shape[0] - 1
   valid = (t < cu[-1]) & (seq >= 0) & (seq < n)
   seq_c = jnp.clip(seq, 0, n - 1)
