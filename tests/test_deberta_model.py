@@ -131,7 +131,8 @@ def test_remat_same_params_and_gradients(main_case):
   draws the same masks)."""
   c = main_case
   m = c["model"]
-  rm = m.clone(remat=True)
+  rm, _ = from_hf(c["m"], attention_backend="interpret", remat=True)
+  assert rm.remat and not m.remat
   assert jax.tree.structure(rm.init(jax.random.key(0), jnp.asarray(c["ids"]),
                                     jnp.asarray(c["mask"]))["params"]) == \
       jax.tree.structure(c["params"])

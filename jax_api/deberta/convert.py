@@ -104,7 +104,7 @@ def to_hf_state_dict(params, *, prefix: str = "") -> dict[str, np.ndarray]:
 
 def from_hf(hf_model_or_state_dict, config=None, *, dtype=jnp.float32,
             param_dtype=jnp.float32, attention_backend: str = "auto",
-            precision=None):
+            precision=None, remat: bool = False):
   """Converts a transformers DeBERTa-v2/v3 model (or state dict + config).
 
   Args:
@@ -120,6 +120,8 @@ def from_hf(hf_model_or_state_dict, config=None, *, dtype=jnp.float32,
     precision: of the model's matmuls (None: `jax.default_matmul_precision`,
       TF32 for float32 on recent NVIDIA GPUs; "highest": full float32, as
       PyTorch computes by default). See `modules._Common`.
+    remat: recompute each encoder layer in the backward (training memory
+      for one more forward per layer; HF's gradient checkpointing).
 
   Returns:
     (model, params): the linen `DebertaV2Model` and its params, such that
@@ -144,21 +146,21 @@ def from_hf(hf_model_or_state_dict, config=None, *, dtype=jnp.float32,
   params = state_dict_to_params(sd, dtype=param_dtype)
   model = DebertaV2Model(config=config, dtype=dtype, param_dtype=param_dtype,
                          attention_backend=attention_backend,
-                         precision=precision)
+                         precision=precision, remat=remat)
   return model, params
 
 
 def from_hf_for_sequence_classification(hf_model, *, dtype=jnp.float32,
                                         param_dtype=jnp.float32,
                                         attention_backend: str = "auto",
-                                        precision=None):
+                                        precision=None, remat: bool = False):
   """A transformers `DebertaV2ForSequenceClassification` -> (linen
-  `DebertaV2ForSequenceClassification`, params)."""
+  `DebertaV2ForSequenceClassification`, params); options as `from_hf`."""
   config = DebertaV2Config.from_hf(hf_model.config)
   params = state_dict_to_params(hf_model.state_dict(), dtype=param_dtype)
   model = DebertaV2ForSequenceClassification(
       config=config, dtype=dtype, param_dtype=param_dtype,
-      attention_backend=attention_backend, precision=precision)
+      attention_backend=attention_backend, precision=precision, remat=remat)
   return model, params
 
 
