@@ -1190,10 +1190,12 @@ def bridge_table(suite: dict, md: dict) -> list[str]:
 # ----------------------------------------------------------------------------
 # DeBERTa model suite (benchmarks/deberta.py: records with kind="model")
 # ----------------------------------------------------------------------------
-DEBERTA_ORDER = ("fold_jax", "fold_torch", "disentangled_flash", "flashdeberta",
-                 "hf_eager")
+DEBERTA_ORDER = ("fold_jax", "fold_jax_remat", "fold_torch",
+                 "disentangled_flash", "flashdeberta", "hf_eager")
+DEBERTA_OURS = ("fold_jax", "fold_jax_remat", "fold_torch")
 DEBERTA_NAMES = {
     "fold_jax": "foldax JAX model (jax_api.deberta)",
+    "fold_jax_remat": "foldax JAX model, remat=True",
     "fold_torch": "HF + foldax torch_bridge.optimize_deberta",
     "disentangled_flash": "disentangled-flash",
     "flashdeberta": "flashdeberta",
@@ -1201,7 +1203,8 @@ DEBERTA_NAMES = {
 }
 DEBERTA_PKG = {"disentangled_flash": "disentangled-flash",
                "flashdeberta": "flashdeberta", "hf_eager": "transformers"}
-DEBERTA_COLORS = {"fold_jax": OURS_COLOR, "fold_torch": "#ff7f0e",
+DEBERTA_COLORS = {"fold_jax": OURS_COLOR, "fold_jax_remat": "#9467bd",
+                  "fold_torch": "#ff7f0e",
                   "disentangled_flash": "#1f77b4", "flashdeberta": "#2ca02c",
                   "hf_eager": "#7f7f7f"}
 DEBERTA_POINT_ORDER = ("fwd-b16-l512", "fwd-b16-l512-ragged", "fwd-b1-l2048",
@@ -1327,7 +1330,7 @@ def deberta_forward_figure(model: list[dict], md: dict, path: Path, *,
     if k % ncol == 0:
       ax.set_yticklabels([deberta_name(i, md) for i in impls], fontsize=8.5)
       for t, impl in zip(ax.get_yticklabels(), impls):
-        if impl in ("fold_jax", "fold_torch"):
+        if impl in DEBERTA_OURS:
           t.set_color(DEBERTA_COLORS[impl])
           t.set_fontweight("bold")
     else:
@@ -1476,7 +1479,7 @@ def deberta_train_figure(model: list[dict], md: dict, path: Path, *,
       ax.grid(True, axis="x", alpha=0.3)
     ax_t.set_yticklabels([deberta_name(i, md) for i in impls], fontsize=8.5)
     for t, impl in zip(ax_t.get_yticklabels(), impls):
-      if impl in ("fold_jax", "fold_torch"):
+      if impl in DEBERTA_OURS:
         t.set_color(DEBERTA_COLORS[impl])
         t.set_fontweight("bold")
     ax_m.set_yticklabels([])
@@ -1553,7 +1556,7 @@ def deberta_table(suite: dict, md: dict) -> list[str]:
             c += " (" + "; ".join(bits) + ")"
         cells.append(c)
       name = deberta_name(impl, md)
-      if impl in ("fold_jax", "fold_torch"):
+      if impl in DEBERTA_OURS:
         name = f"**{name}**"
       L.append(f"| {name} | " + " | ".join(cells) + " |")
   ovh = [(p, r["fold_torch"]["hf_mask_relpos_ms"]) for p, r in pts.items()
@@ -1572,8 +1575,11 @@ def deberta_table(suite: dict, md: dict) -> list[str]:
   if targets:
     L.append("\n**Acceptance targets** (from this run's times)\n")
     word = {True: "met", False: "**not met**", None: "not measured"}
+    present = {r.get("impl") for r in model}
     for issue, per in targets.items():
       for impl, s in per.items():
+        if impl not in present:
+          continue  # not part of this run at all (e.g. older files)
         L.append(f"- {issue.replace('_', ' ')}, {impl}: {word[s['met']]}")
         for cname, c in s["checks"].items():
           if c["met"] is None:
