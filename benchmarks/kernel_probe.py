@@ -71,6 +71,21 @@ def _inputs(b, s, hq, hkv, d, dtype, seed=0):
   return q, k, v, do
 
 
+def _mask_config(d, causal):
+  return MaskConfig.make(causal=causal, window_size=(-1, -1),
+                         has_segments=False, softcap=0.0, scale=d ** -0.5)
+
+
+def _packed_problem(b, s, h, d, causal, dtype=jnp.bfloat16):
+  """The probes' problem: forward FLOPs, mask config, cu_seqlens, q, k, v,
+  dO ([b, s, h, d]) and the same packed ([b*s, h, d])."""
+  qkvo = _inputs(b, s, h, h, d, dtype)
+  flops_fwd = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
+  cu = jnp.arange(b + 1, dtype=jnp.int32) * s
+  return (flops_fwd, _mask_config(d, causal), cu, qkvo,
+          tuple(map(_pack, qkvo)))
+
+
 def correctness(records):
   # Imported here so that --fwd-probe / --ir-stats never depend on them.
   from pallas_kernels.flash.backward import flash_backward
@@ -153,12 +168,8 @@ def sweep(records, b, s, h, d, causal, fwd_cands, bwd_cands,
           modes=("atomic", "recompute")):
   from pallas_kernels.flash.backward import flash_backward
   dtype = jnp.bfloat16
-  q, k, v, do = _inputs(b, s, h, h, d, dtype)
-  flops_fwd = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
-  cfg = MaskConfig.make(causal=causal, window_size=(-1, -1),
-                        has_segments=False, softcap=0.0, scale=d ** -0.5)
-  cu = jnp.arange(b + 1, dtype=jnp.int32) * s
-  pq, pk, pv, pdo = map(_pack, (q, k, v, do))
+  flops_fwd, cfg, cu, (q, k, v, do), (pq, pk, pv, pdo) = _packed_problem(
+      b, s, h, d, causal, dtype)
   best_fwd = None
   best_bwd = {}
   for bs in fwd_cands:
@@ -267,12 +278,8 @@ def fwd_probe(records, configs, b=2, s=8192, h=16, d=128, causal=True,
   """
   import warnings
   dtype = jnp.bfloat16
-  q, k, v, _ = _inputs(b, s, h, h, d, dtype)
-  flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
-  cfg = MaskConfig.make(causal=causal, window_size=(-1, -1),
-                        has_segments=False, softcap=0.0, scale=d ** -0.5)
-  cu = jnp.arange(b + 1, dtype=jnp.int32) * s
-  pq, pk, pv = map(_pack, (q, k, v))
+  flops, cfg, cu, (q, k, v, _), (pq, pk, pv, _) = _packed_problem(
+      b, s, h, d, causal, dtype)
   shape = dict(b=b, s=s, h=h, d=d, causal=causal, dtype="bfloat16")
 
   def dump():
@@ -351,12 +358,8 @@ def bwd_probe(records, configs, b=2, s=8192, h=16, d=128, causal=True,
   from pallas_kernels.flash.backward import flash_backward
   t_start = time.perf_counter()
   dtype = jnp.bfloat16
-  q, k, v, do = _inputs(b, s, h, h, d, dtype)
-  flops_fwd = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
-  cfg = MaskConfig.make(causal=causal, window_size=(-1, -1),
-                        has_segments=False, softcap=0.0, scale=d ** -0.5)
-  cu = jnp.arange(b + 1, dtype=jnp.int32) * s
-  pq, pk, pv, pdo = map(_pack, (q, k, v, do))
+  flops_fwd, cfg, cu, (q, k, v, do), (pq, pk, pv, pdo) = _packed_problem(
+      b, s, h, d, causal, dtype)
   shape = dict(b=b, s=s, h=h, d=d, causal=causal, dtype="bfloat16")
 
   def dump():
@@ -477,8 +480,7 @@ def ir_stats(configs, b=2, s=8192, h=16, d=128, causal=True,
   target = GPUTarget("cuda", 90, 32)
   backend = CUDABackend(target)
   sds = jax.ShapeDtypeStruct
-  cfg = MaskConfig.make(causal=causal, window_size=(-1, -1),
-                        has_segments=False, softcap=0.0, scale=d ** -0.5)
+  cfg = _mask_config(d, causal)
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     from jax.experimental.pallas.ops.gpu import attention as pattn
