@@ -9,6 +9,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.deberta.config import KernelConfig
+# The flash kernels' helpers, shared (re-exported for the DeBERTa kernels).
+from pallas_kernels.flash._tiles import (  # noqa: F401
+    cdiv, full_spec, head_dim_mask)
 
 
 def load(ref, mask=None, other=None):
@@ -19,23 +22,9 @@ def load(ref, mask=None, other=None):
   return plgpu.load(ref, mask=mask, other=other)
 
 
-def full_spec(shape):
-  return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
-
-
-def cdiv(a, b: int):
-  return lax.div(a + (b - 1), b)
-
-
 def _floor_pos(num, b: int):
   """floor(num / b) for num > 0, else 0."""
   return jnp.where(num > 0, lax.div(jnp.maximum(num, 0), b), 0)
-
-
-def head_dim_mask(head_dim: int, d_pad: int):
-  if head_dim == d_pad:
-    return None
-  return (jnp.arange(d_pad) < head_dim)[None, :]
 
 
 def q_major_ranges(cfg: KernelConfig, q0, block_q: int, block_k: int, n_kt):

@@ -56,10 +56,6 @@ def _params(d_pad: int):
                               num_stages=1)
 
 
-def _full(shape):
-  return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
-
-
 def _exponent(bound):
   """int32 e with bound <= 2^e (jnp.frexp's exponent: 0 for 0, inf, nan),
   from the float's bits, clipped to [E_MIN, E_MAX]."""
@@ -93,10 +89,8 @@ def _query_kernel(cu_q_ref, o_ref, do_ref, *refs, block: int, head_dim: int,
 
   @pl.when(q0 < len_q)
   def _():
-    valid = (q0 + jnp.arange(block)) < len_q
-    rows = pl.ds(q_off + q0, block)
-    mask = _tiles.mask_and(valid[:, None],
-                           _tiles.head_dim_mask(head_dim, d_pad))
+    valid, rows, mask = _tiles.row_tile(q_off, q0, len_q, block, head_dim,
+                                        d_pad)
     o = _tiles.load(o_ref.at[rows, :], mask=mask, other=0.0)
     do = _tiles.load(do_ref.at[rows, :], mask=mask, other=0.0)
     do = do.astype(jnp.float32)
@@ -123,10 +117,8 @@ def _key_norm_kernel(cu_k_ref, v_ref, _, norm_ref, *, block: int,
 
   @pl.when(k0 < len_k)
   def _():
-    valid = (k0 + jnp.arange(block)) < len_k
-    rows = pl.ds(k_off + k0, block)
-    mask = _tiles.mask_and(valid[:, None],
-                           _tiles.head_dim_mask(head_dim, d_pad))
+    valid, rows, mask = _tiles.row_tile(k_off, k0, len_k, block, head_dim,
+                                        d_pad)
     v = _tiles.load(v_ref.at[rows, :], mask=mask, other=0.0)
     v = v.astype(jnp.float32)
     plgpu.store(norm_ref.at[rows], jnp.sqrt(jnp.sum(v * v, axis=1)),
@@ -165,7 +157,7 @@ def backward_rows(out, do, dlse, k, v, cu_seqlens_q, cu_seqlens_k, *,
   block = preprocess_rows(d_pad, interpret)
   row_spec = pl.BlockSpec((None, total_q), lambda i, s, h: (h, 0))
   tok_q = pl.BlockSpec((total_q, None, d_pad), lambda i, s, h: (0, h, 0))
-  in_specs = [_full(cu_seqlens_q.shape), tok_q, tok_q]
+  in_specs = [_tiles.full_spec(cu_seqlens_q.shape), tok_q, tok_q]
   args = [cu_seqlens_q, out, do]
   if dlse is not None:
     in_specs.append(row_spec)
@@ -180,7 +172,7 @@ def backward_rows(out, do, dlse, k, v, cu_seqlens_q, cu_seqlens_k, *,
     v_norm = pl.pallas_call(
         functools.partial(_key_norm_kernel, block=block, head_dim=head_dim),
         grid=(pl.cdiv(max_seqlen_k, block), num_seqs, heads_kv),
-        in_specs=[_full(cu_seqlens_k.shape), tok_k, krow_spec],
+        in_specs=[_tiles.full_spec(cu_seqlens_k.shape), tok_k, krow_spec],
         out_specs=krow_spec,
         out_shape=jax.ShapeDtypeStruct((heads_kv, total_k), jnp.float32),
         input_output_aliases={2: 0},
@@ -191,7 +183,7 @@ def backward_rows(out, do, dlse, k, v, cu_seqlens_q, cu_seqlens_k, *,
     k_abs_max = jnp.max(jnp.abs(k.astype(jnp.float32)), axis=-1)  # [tk, hkv]
     k_max = _segment_max(k_abs_max, k_seq, num_seqs)  # [num_seqs, hkv]
     v_max = _segment_max(v_norm.T, k_seq, num_seqs)
-    in_specs += [_full(k_max.shape), _full(v_max.shape)]
+    in_specs += [_tiles.full_spec(k_max.shape), _tiles.full_spec(v_max.shape)]
     args += [k_max, v_max]
   out_shape = [jax.ShapeDtypeStruct((heads_q, total_q), jnp.float32)]
   if with_grid:

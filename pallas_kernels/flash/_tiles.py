@@ -15,6 +15,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 LOG2E = 1.4426950408889634
@@ -43,6 +44,11 @@ class MaskConfig:
 
 def cdiv(a, b):
   return lax.div(a + b - 1, b)
+
+
+def full_spec(shape):
+  """BlockSpec handing every program the whole array."""
+  return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
 
 
 def _nonempty_or_zero(lo, hi):
@@ -154,6 +160,15 @@ def head_dim_mask(head_dim: int, d_pad: int):
   if head_dim == d_pad:
     return None
   return (jnp.arange(d_pad) < head_dim)[None, :]
+
+
+def row_tile(start, t0, length, block: int, head_dim: int, d_pad: int):
+  """Rows start + t0 .. start + t0 + block of a packed sequence of `length`
+  tokens: (valid [block] bool, the row slice, the [block, d_pad] load mask
+  of valid rows and real head-dim columns)."""
+  valid = (t0 + jnp.arange(block)) < length
+  rows = pl.ds(start + t0, block)
+  return valid, rows, mask_and(valid[:, None], head_dim_mask(head_dim, d_pad))
 
 
 def visible(cfg: MaskConfig, q_pos, k_pos, len_q, len_k, q_seg=None,
