@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import sys
 import time
@@ -55,29 +56,27 @@ def _profile(fn, calls: int, top: int) -> dict:
 
 
 def _deberta(args) -> dict:
-  import jax
   import torch
   from benchmarks import deberta as D
   ns = D.build_parser().parse_args(["--output", "/dev/null", "--quick"])
   s = D.Suite(ns, [])
-  s.args.dump_hlo = args.dump_hlo
   point = {p.name: p for p in D.GPU_POINTS}[args.point]
   out = {}
   for impl in args.impls.split(","):
     try:
-      fn = _deberta_fn(s, D, point, impl)
+      with _deberta_fn(s, point, impl, args.dump_hlo) as fn, (
+          torch.no_grad() if point.mode == "fwd" else
+          contextlib.nullcontext()):
+        out[impl] = _profile(fn, args.calls, args.top)
     except Exception as e:  # noqa: BLE001
       out[impl] = dict(error=repr(e)[:300])
       continue
-    with torch.no_grad() if point.mode == "fwd" else _null():
-      out[impl] = _profile(fn, args.calls, args.top)
     print(f"== {impl} {point.label}: wall {out[impl]['wall_ms']} ms, kernels "
           f"{out[impl]['kernel_ms']} ms, {out[impl]['launches_per_call']} "
           "launches", flush=True)
     for r in out[impl]["top"]:
       print(f"   {r['us_per_call']:9.1f} us  x{r['launches_per_call']:<6} "
             f"{r['kernel']}")
-  del jax
   return out
 
 
@@ -97,16 +96,13 @@ def _bridge(args) -> dict:
   do = torch.randn(shape, device=dev, dtype=torch.bfloat16)
   parts = collections.defaultdict(list)
 
-  _sync = sync
-
-  def call(sync=True):
+  def call():
     t0 = time.perf_counter()
     out = tb.fold_attn_func(q, k, v, causal=True)
     t1 = time.perf_counter()
     g = torch.autograd.grad(out, (q, k, v), do)
     t2 = time.perf_counter()
-    if sync:
-      _sync()
+    sync()
     t3 = time.perf_counter()
     parts["forward_call"].append(t1 - t0)
     parts["autograd_grad_call"].append(t2 - t1)
@@ -167,8 +163,7 @@ def _bridge_step_timers(q, k, v, do, call, args) -> dict:
   orig = dict(imp_init=rt.Importer.__init__, imp_call=rt.Importer.__call__,
               export=rt.export, fwd_impl=A._fwd_impl, bwd_impl=A._bwd_impl)
   sync = torch.cuda.synchronize if q.is_cuda else (lambda: None)
-  static = (A.resolve_backend(q), True, -1, 0, 0.0, 128 ** -0.5, 0, 0, False)
-  A._plan(static, q.device, q.dtype)
+  static = A._dense_static(q, causal=True)  # what call()'s plan uses
   call()
   plans = list(A._plans.values())
   saved = [(p_.fwd, p_.bwd) for p_ in plans]
@@ -182,23 +177,22 @@ def _bridge_step_timers(q, k, v, do, call, args) -> dict:
     for p_, (pf, pb) in zip(plans, saved):
       p_.fwd = timed("jax_fwd_dispatch", pf)
       p_.bwd = timed("jax_bwd_dispatch", pb)
-    for pin in (None,):
-      for _ in range(10):
-        call()
-      rec.clear()
-      for _ in range(args.calls * 40):
-        call()
-      (o, l, a), kept = orig["fwd_impl"](q.detach(), k.detach(), v.detach(),
-                                         None, None, None, None, None, static,
-                                         keep=True, aux_tensor=False)
+    for _ in range(10):
+      call()
+    rec.clear()
+    for _ in range(args.calls * 40):
+      call()
+    (o, l, a), kept = orig["fwd_impl"](q.detach(), k.detach(), v.detach(),
+                                       None, None, None, None, None, static,
+                                       keep=True, aux_tensor=False)
+    sync()
+    for _ in range(args.calls * 40):
+      A._bwd_impl(do, None, q, k, v, None, None, None, None, None, o, l, a,
+                  static, kept=kept, ds_tensor=False)
       sync()
-      for _ in range(args.calls * 40):
-        A._bwd_impl(do, None, q, k, v, None, None, None, None, None, o, l, a,
-                    static, kept=kept, ds_tensor=False)
-        sync()
-      out = {n: round(statistics.median(x) * 1e6, 1)
-             for n, x in sorted(rec.items())}
-      print("bridge steps (median us):", out, flush=True)
+    out = {n: round(statistics.median(x) * 1e6, 1)
+           for n, x in sorted(rec.items())}
+    print("bridge steps (median us):", out, flush=True)
   finally:
     rt.Importer.__init__ = orig["imp_init"]
     rt.Importer.__call__ = orig["imp_call"]
@@ -209,58 +203,54 @@ def _bridge_step_timers(q, k, v, do, call, args) -> dict:
   return out
 
 
-class _null:
-  def __enter__(self):
-    return self
-
-  def __exit__(self, *a):
-    return False
-
-
-def _deberta_fn(s, D, point, impl):
+@contextlib.contextmanager
+def _deberta_fn(s, point, impl, dump_hlo=None):
+  """Yields one call of `impl` at `point`, with the models, inputs and
+  training steps of benchmarks/deberta.py."""
   import jax
-  import jax.numpy as jnp
-  import torch
-  if impl == "fold_jax":
-    model, params = s.jax_model(s.jax_dtype(point))
+  from benchmarks import deberta as D
+  if impl in ("fold_jax", "fold_jax_remat"):
+    model, params = s.jax_model(s.jax_dtype(point),
+                                remat=impl == "fold_jax_remat")
     ids, mask = s.jax_inputs(point)
     if point.mode == "fwd":
       f = jax.jit(lambda p, i, m: model.apply({"params": p}, i, m))
-      if s.args.dump_hlo:
-        with open(s.args.dump_hlo, "w") as fh:
+      if dump_hlo:
+        with open(dump_hlo, "w") as fh:
           fh.write(f.lower(params, ids, mask).compile().as_text())
-      return lambda: jax.block_until_ready(f(params, ids, mask))
-
-    def loss_fn(p, i, m, k):
-      h = model.apply({"params": p}, i, m, deterministic=False,
-                      rngs={"dropout": k})
-      return jnp.mean(jnp.square(h.astype(jnp.float32)))
-    g = jax.jit(jax.value_and_grad(loss_fn))
+      yield lambda: jax.block_until_ready(f(params, ids, mask))
+      return
+    step = jax.jit(D.jax_train_step(model))  # not donated: same params
     rng = jax.random.key(0)
-    return lambda: jax.block_until_ready(g(params, ids, mask, rng))
+    yield lambda: jax.block_until_ready(step(params, ids, mask, rng))
+    return
   ids, mask, _ = s.inputs(point)
-  if impl == "disentangled_flash":
-    m = s.df(s.torch_dtype(point), train=point.mode == "train")
-    if isinstance(m, Exception):
-      raise m
+  dtype = s.torch_dtype(point)
+  with contextlib.ExitStack() as stack:
+    if impl == "disentangled_flash":
+      m = s.df(dtype, train=point.mode == "train")
+      if isinstance(m, Exception):
+        raise m
+      if point.mode == "fwd":
+        m.encoder.activate_shape(point.L)
+    elif impl == "fold_torch":
+      m = stack.enter_context(s.fold_torch(dtype))
+    elif impl == "hf_eager":
+      m = s.hf(dtype)
+    else:
+      raise ValueError(impl)
     if point.mode == "fwd":
-      m.encoder.activate_shape(point.L)
-  elif impl == "fold_torch":
-    import torch_bridge
-    m = s.hf(s.torch_dtype(point))
-    torch_bridge.optimize_deberta(m)
-  elif impl == "hf_eager":
-    m = s.hf(s.torch_dtype(point))
-  else:
-    raise ValueError(impl)
-  if point.mode == "fwd":
-    return lambda: m(input_ids=ids, attention_mask=mask).last_hidden_state
-  m.train()
+      yield lambda: m(input_ids=ids, attention_mask=mask).last_hidden_state
+      return
+    m.train()
 
-  def step():
-    h = m(input_ids=ids, attention_mask=mask).last_hidden_state
-    h.float().square().mean().backward()
-  return step
+    def train_step():
+      h = m(input_ids=ids, attention_mask=mask).last_hidden_state
+      h.float().square().mean().backward()
+    try:
+      yield train_step
+    finally:
+      m.eval()
 
 
 def main(argv=None) -> int:
@@ -270,7 +260,9 @@ def main(argv=None) -> int:
   p.add_argument("--dump-hlo", default=None,
                  help="deberta fold_jax forward: write the optimised HLO here")
   p.add_argument("--point", default="fwd-b16-l512")
-  p.add_argument("--impls", default="fold_jax,disentangled_flash,fold_torch")
+  p.add_argument("--impls", default="fold_jax,disentangled_flash,fold_torch",
+                 help="of fold_jax, fold_jax_remat, fold_torch, "
+                      "disentangled_flash, hf_eager")
   p.add_argument("--calls", type=int, default=5)
   p.add_argument("--top", type=int, default=18)
   p.add_argument("--output", default=None)

@@ -453,12 +453,10 @@ def fold_attn_func(q: Tensor, k: Tensor, v: Tensor, causal: bool = False,
       out, lse, _ = _call(q, k, v, None, None, None, None, None, static)
       return (out, lse) if return_lse else out
   _check_qkv(q, k, v, packed=False)
-  left, right, softcap, scale = _check_options(q, window_size, softcap,
-                                               softmax_scale, sinks, causal)
+  static = _dense_static(q, causal, window_size, softcap, softmax_scale,
+                         sinks, backend)
   qs, ks = _segments(segment_ids, q.shape[0], q.shape[1], k.shape[1],
                      q.device)
-  be = resolve_backend(q, backend)
-  static = (be, bool(causal), left, right, softcap, scale, 0, 0, False)
   if key is not None:
     if len(_dense_statics) >= 4096:
       _dense_statics.clear()
@@ -468,6 +466,17 @@ def fold_attn_func(q: Tensor, k: Tensor, v: Tensor, causal: bool = False,
 
 
 _dense_statics: dict = {}
+
+
+def _dense_static(q: Tensor, causal: bool = False, window_size=(-1, -1),
+                  softcap: float = 0.0, softmax_scale=None, sinks=None,
+                  backend: str = "auto") -> tuple:
+  """The validated static options of a dense call (what `_plan` and the
+  custom ops take); raises like `fold_attn_func`."""
+  left, right, softcap, scale = _check_options(q, window_size, softcap,
+                                               softmax_scale, sinks, causal)
+  return (resolve_backend(q, backend), bool(causal), left, right, softcap,
+          scale, 0, 0, False)
 
 
 def _max_seqlen(cu: Tensor, given) -> int:

@@ -60,9 +60,8 @@ def overhead(batch=1, heads=16, seq=128, head_dim=128, dtype=None,
   q, k, v = (torch.randn(shape, device=device, dtype=dtype, generator=g)
              for _ in range(3))
   do = torch.randn(shape, device=device, dtype=dtype, generator=g)
-  be = A.resolve_backend(q)
-  scale = head_dim ** -0.5
-  static = (be, causal, -1, 0 if causal else -1, 0.0, scale, 0, 0, False)
+  static = A._dense_static(q, causal)
+  be = static[0]
   plan = A._plan(static, q.device, q.dtype)
   target = plan.target
   imp = rt.Importer(target)
