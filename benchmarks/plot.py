@@ -31,7 +31,6 @@ JAX or torch.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
@@ -891,6 +890,18 @@ def _met_word(t: dict | None) -> str:
   return "met" if t["met"] else "NOT met"
 
 
+
+def _finish_mode_axis(ax, xs, modes, ylabel: str, title: str):
+  """x axis of the bridge panels (one group per mode), labels and legend."""
+  ax.set_xticks(xs)
+  ax.set_xticklabels([MODE_TITLE[m] for m in modes])
+  ax.tick_params(axis="x", pad=27)
+  ax.set_xlim(-0.6, len(modes) - 0.4)
+  ax.set_ylabel(ylabel)
+  ax.set_title(title, fontsize=11)
+  ax.legend(loc="upper left", fontsize=8.5, frameon=False)
+  ax.grid(True, axis="y", alpha=0.3)
+
 def bridge_figure(records: list[dict], md: dict, smd: dict, path: Path, *,
                   sources=()) -> Path | None:
   """Three panels: the bridge's per-call overhead at the small shape (µs,
@@ -909,11 +920,15 @@ def bridge_figure(records: list[dict], md: dict, smd: dict, path: Path, *,
   large = seqs[-1] if len(seqs) > 1 else None
   fig, axes = plt.subplots(1, 3, figsize=(16.5, 5.6),
                            gridspec_kw=dict(width_ratios=[1.15, 1, 1]))
-  col_b, col_j = IMPL_COLORS["bridge"], IMPL_COLORS["jax_direct"]
+  col_b = IMPL_COLORS["bridge"]
   modes = [m for m in MODES if any(k[1] == m for k in brs)]
 
   def shape_of(r):
     return f"B{r['B']} H{r['Hq']} S{r['S']} D{r['D']} {r.get('dtype', '')}"
+
+  def subtitle(seq):
+    r = brs.get((seq, modes[0])) if modes else None
+    return shape_of(r) + " causal" if r else ""
 
   # (a) per-call overhead, µs
   ax = axes[0]
@@ -952,16 +967,8 @@ def bridge_figure(records: list[dict], md: dict, smd: dict, path: Path, *,
       top = max(top, naive)
     ax.set_ylim(min(0, min(v for v in vals + pvals if v is not None) * 1.2),
                 top * 1.45)
-    ax.set_xticks(xs)
-    ax.set_xticklabels([MODE_TITLE[m] for m in modes])
-    ax.tick_params(axis="x", pad=27)
-    ax.set_xlim(-0.6, len(modes) - 0.4)
-    ax.set_ylabel("bridge time − JAX time per call (µs)")
-    r0 = brs.get((small, modes[0])) if modes else None
-    ax.set_title("How much does the bridge add per call?\n"
-                 + (shape_of(r0) + " causal" if r0 else ""), fontsize=11)
-    ax.legend(loc="upper left", fontsize=8.5, frameon=False)
-    ax.grid(True, axis="y", alpha=0.3)
+    _finish_mode_axis(ax, xs, modes, "bridge time − JAX time per call (µs)",
+                      "How much does the bridge add per call?\n" + subtitle(small))
   else:
     ax.axis("off")
 
@@ -997,16 +1004,8 @@ def bridge_figure(records: list[dict], md: dict, smd: dict, path: Path, *,
     lo = min([0.98] + vals)
     pad = (hi - lo) * 0.15
     ax.set_ylim(lo - pad, hi + 3 * pad)
-    ax.set_xticks(xs)
-    ax.set_xticklabels([MODE_TITLE[m] for m in modes])
-    ax.tick_params(axis="x", pad=27)
-    ax.set_xlim(-0.6, len(modes) - 0.4)
-    ax.set_ylabel("bridge time ÷ JAX time (1 = no cost)")
-    r0 = brs.get((large, modes[0])) if modes else None
-    ax.set_title("Does the bridge cost anything on long sequences?\n"
-                 + (shape_of(r0) + " causal" if r0 else ""), fontsize=11)
-    ax.legend(loc="upper left", fontsize=8.5, frameon=False)
-    ax.grid(True, axis="y", alpha=0.3)
+    _finish_mode_axis(ax, xs, modes, "bridge time ÷ JAX time (1 = no cost)",
+                      "Does the bridge cost anything on long sequences?\n" + subtitle(large))
   else:
     ax.axis("off")
 
