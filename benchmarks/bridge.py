@@ -228,10 +228,9 @@ class AttnCase:
         torch.randn(shp, device=dev, dtype=tdt, generator=g) for _ in range(4))
     self.qg, self.kg, self.vg = (x.clone().requires_grad_()
                                  for x in (self.q, self.k, self.v))
-    self.backend = A.resolve_backend(self.q)
-    # exactly the static key fold_attn_func(q, k, v, causal=True) builds
-    static = (self.backend, True, -1, 0, 0.0, 1.0 / math.sqrt(Dh), 0, 0,
-              False)
+    # the static key fold_attn_func(q, k, v, causal=True) builds
+    static = A._dense_static(self.q, causal=True)
+    self.backend = static[0]
     self.plan = A._plan(static, self.q.device, self.q.dtype)
     self.target = self.plan.target
     imp = rt.Importer(self.target)
