@@ -70,11 +70,12 @@ def _fwd(q, k, v, pos_key, pos_query, cu, token_mask, seed, cfg, blocks,
 
 def _bwd(cfg, blocks, max_seqlen, interpret, res, do):
   q, k, v, pos_key, pos_query, cu, token_mask, seed, out, lse2 = res
-  # The barrier keeps XLA from merging this recomputation with the
-  # forward's identical one (CSE), which would keep the tables alive from
-  # the forward to the backward (what jax.checkpoint guards against the
-  # same way).
-  tq, tk, tpk, tpq = jax.lax.optimization_barrier((q, k, pos_key, pos_query))
+  # The barrier (with dO) keeps XLA from merging this recomputation with
+  # the forward's identical one (CSE) or scheduling it before the backward
+  # reaches this layer, either of which would keep the tables alive from
+  # the forward to the backward.
+  (tq, tk, tpk, tpq), do = jax.lax.optimization_barrier(
+      ((q, k, pos_key, pos_query), do))
   c, p = position_tables(tq, tk, tpk, tpq, cfg, blocks, interpret)
   dq, dk, dv, dpk, dpq = disentangled_backward(
       q, k, v, pos_key, pos_query, c, p, out, lse2, do.astype(q.dtype), cu,

@@ -450,7 +450,11 @@ def disentangled_backward(q, k, v, pos_key, pos_query, c2p_table, p2c_table,
     aliases = {}
     if band_needed:
       specs.append(bnd)
-      a.append(jnp.zeros((total, heads, g.width), bdt))
+      # Zeros made after dO exists: a broadcast with no operands may be
+      # scheduled at the start of the whole training step (one such buffer
+      # per layer, all alive at once).
+      zero = jax.lax.optimization_barrier((jnp.zeros((), bdt), do))[0]
+      a.append(jnp.broadcast_to(zero, (total, heads, g.width)))
       aliases = {len(a) - 1: len(outs)}
       out_specs.append(bnd)
       out_shape.append(jax.ShapeDtypeStruct((total, heads, g.width), bdt))
