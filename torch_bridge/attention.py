@@ -100,17 +100,23 @@ def _plan(static, device, dtype) -> _Plan:
 
 
 def _fwd_impl(q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, static,
-              keep: bool = False, aux_tensor: bool = True):
+              keep: bool = False, aux_tensor: bool = True,
+              need_lse: bool = True):
   """Runs the jitted forward. keep=True also returns the JAX arrays of the
   inputs and outputs (the eager backward reuses them instead of importing
-  them again); aux_tensor=False leaves the XLA path's aux as None."""
+  them again); aux_tensor=False leaves the XLA path's aux as None;
+  need_lse=False (eager calls that do not return it) hands torch only the
+  output (lse and aux come back as None; each export costs host time)."""
   p = _plan(static, q.device, q.dtype)
   with (_X64(True) if p.x64 else _NO_X64):
     imp = rt.Importer(p.target)
     ins = (imp(q), imp(k), imp(v), imp(sinks), imp(q_seg), imp(k_seg),
            imp(cu_q), imp(cu_k))
     res = p.fwd(*ins)
-    out, lse, aux = rt.export(res, p.target)
+    if need_lse:
+      out, lse, aux = rt.export(res, p.target)
+    else:
+      (out,), lse, aux = rt.export(res[:1], p.target), None, None
   if aux is None and aux_tensor:
     aux = q.new_empty((0,), dtype=torch.float32)
   if keep:
@@ -224,12 +230,15 @@ class _EagerAttn(torch.autograd.Function):
   Python round trips: what eager calls use (torch.compile traces the ops)."""
 
   @staticmethod
-  def forward(ctx, q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, static):
+  def forward(ctx, q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, static,
+              need_lse):
     (out, lse, aux), kept = _fwd_impl(q, k, v, sinks, q_seg, k_seg, cu_q,
                                       cu_k, static, keep=True,
-                                      aux_tensor=False)
+                                      aux_tensor=False, need_lse=need_lse)
     # The torch tensors are saved for autograd's in-place (version) checks;
-    # the JAX arrays of the same buffers spare the backward their import.
+    # the JAX arrays of the same buffers spare the backward their import
+    # (kept until the graph is freed: a retain_graph backward runs again,
+    # and lse may exist only on the JAX side).
     ctx.save_for_backward(q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, out, lse,
                           aux)
     ctx.kept = kept
@@ -245,31 +254,33 @@ class _EagerAttn(torch.autograd.Function):
         ctx.saved_tensors
     need = ctx.needs_input_grad
     if dout is None and dlse is None:
-      return (None,) * 9
+      return (None,) * 10
     if dout is None:
       dout = torch.zeros_like(out)
     dq, dk, dv, ds = _bwd_impl(dout, dlse, q, k, v, sinks, q_seg, k_seg,
                                cu_q, cu_k, out, lse, aux, ctx.static,
                                kept=ctx.kept, ds_tensor=False)
-    ctx.kept = None
     return ((dq if need[0] else None), (dk if need[1] else None),
             (dv if need[2] else None),
             (ds if sinks is not None and need[3] else None),
-            None, None, None, None, None)
+            None, None, None, None, None, None)
 
 
-def _call(q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, static):
+def _call(q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, static,
+          need_lse: bool = True):
   """Dispatches to the custom op (compiling), the autograd.Function (eager
-  with grad) or the forward alone (no grad)."""
+  with grad) or the forward alone (no grad). need_lse=False: eager calls
+  may return lse as None."""
   if torch.compiler.is_compiling():
     return torch.ops.foldax.attn_fwd(q, k, v, sinks, q_seg, k_seg, cu_q, cu_k,
                                      *static[:8])
   if torch.is_grad_enabled() and (
       q.requires_grad or k.requires_grad or v.requires_grad or
       (sinks is not None and sinks.requires_grad)):
-    return _EagerAttn.apply(q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, static)
+    return _EagerAttn.apply(q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, static,
+                            need_lse)
   return _fwd_impl(q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, static,
-                   aux_tensor=False)
+                   aux_tensor=False, need_lse=need_lse)
 
 
 # ----------------------------------------------------------------------------
@@ -450,7 +461,8 @@ def fold_attn_func(q: Tensor, k: Tensor, v: Tensor, causal: bool = False,
     except TypeError:  # an unhashable option: let the checks speak
       key = static = None
     if static is not None:
-      out, lse, _ = _call(q, k, v, None, None, None, None, None, static)
+      out, lse, _ = _call(q, k, v, None, None, None, None, None, static,
+                          return_lse)
       return (out, lse) if return_lse else out
   _check_qkv(q, k, v, packed=False)
   static = _dense_static(q, causal, window_size, softcap, softmax_scale,
@@ -461,7 +473,8 @@ def fold_attn_func(q: Tensor, k: Tensor, v: Tensor, causal: bool = False,
     if len(_dense_statics) >= 4096:
       _dense_statics.clear()
     _dense_statics[key] = static
-  out, lse, _ = _call(q, k, v, sinks, qs, ks, None, None, static)
+  out, lse, _ = _call(q, k, v, sinks, qs, ks, None, None, static,
+                      return_lse)
   return (out, lse) if return_lse else out
 
 
@@ -545,5 +558,6 @@ def fold_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor,
     mq = _max_seqlen(cu_q, max_seqlen_q)
     mk = _max_seqlen(cu_k, max_seqlen_k)
   static = (be, bool(causal), left, right, softcap, scale, mq, mk, True)
-  out, lse, _ = _call(q, k, v, sinks, None, None, cu_q, cu_k, static)
+  out, lse, _ = _call(q, k, v, sinks, None, None, cu_q, cu_k, static,
+                      return_lse)
   return (out, lse) if return_lse else out

@@ -3,6 +3,7 @@
     python -m torch_bridge.bench                # B1 H16 S128 D128 and S4096
     python -m torch_bridge.bench --seq 128 --iters 500 --dtype bfloat16
     python -m torch_bridge.bench --seq 128 --phases   # + fwd+bwd breakdown
+    python -m torch_bridge.bench --seq 4096 --pipeline  # which step blocks
 
 "JAX alone" calls the very jitted function the bridge calls, on JAX arrays
 that already live on the device (what a JAX user pays); "bridge" calls
@@ -48,7 +49,8 @@ def _median_us(fn, iters, device, warmup=10):
 
 
 def overhead(batch=1, heads=16, seq=128, head_dim=128, dtype=None,
-             device=None, iters=200, causal=True, phases=False) -> dict:
+             device=None, iters=200, causal=True, phases=False,
+             pipeline=False) -> dict:
   import jax
   if device is None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -109,6 +111,9 @@ def overhead(batch=1, heads=16, seq=128, head_dim=128, dtype=None,
     r.update(_host_steps(plan, target, q, out_j, static, iters, device))
     r.update(_phases(plan, target, q, k, v, do, qg, kg, vg, doj, static,
                      causal, iters, device, bridge_fwd_bwd))
+  if pipeline:
+    r.update(_pipeline(plan, target, q, k, v, qg, kg, vg, do, static, causal,
+                       iters, device))
   r["overhead_us"] = r["bridge_fwd_us"] - r["jax_fwd_us"]
   r["overhead_fwd_bwd_us"] = r["bridge_fwd_bwd_us"] - r["jax_fwd_bwd_us"]
   r["ratio_fwd"] = r["bridge_fwd_us"] / r["jax_fwd_us"]
@@ -241,6 +246,53 @@ def _phases(plan, target, q, k, v, do, qg, kg, vg, doj, static, causal, iters,
   return r
 
 
+def _pipeline(plan, target, q, k, v, qg, kg, vg, do, static, causal, n,
+              device) -> dict:
+  """Back-to-back calls without synchronisation (--pipeline): for each
+  prefix of a bridge call, the host time per call of a loop of `n` calls
+  (`host_us`) and the time until the device finished them (`total_us`). A
+  step that waits for the GPU shows as host_us ~ total_us (the host never
+  runs ahead); one that does not, as host_us << total_us once the kernels
+  are long enough."""
+  def imports():
+    imp = rt.Importer(target)
+    return (imp(q), imp(k), imp(v), None, None, None, None, None)
+
+  def call():
+    return plan.fwd(*imports())
+
+  variants = {
+      "jax_only": None,  # filled below: JAX arrays, no torch
+      "import3": imports,
+      "import3_call": call,
+      "import3_call_export_out": lambda: rt.export(call()[:1], target),
+      "import3_call_export_all": lambda: rt.export(call(), target),
+      "bridge_fwd": lambda: tb.fold_attn_func(q, k, v, causal=causal),
+      "bridge_fwd_bwd": lambda: torch.autograd.grad(
+          tb.fold_attn_func(qg, kg, vg, causal=causal), (qg, kg, vg), do),
+  }
+  import jax
+  ja = [jax.device_put(x, target.jax_device) + 0 for x in imports()[:3]]
+  variants["jax_only"] = lambda: plan.fwd(*ja, None, None, None, None, None)
+  r = {}
+  for name, fn in variants.items():
+    for _ in range(3):
+      fn()
+    _sync(device)
+    jax.effects_barrier()
+    t0 = time.perf_counter()
+    for _ in range(n):
+      res = fn()
+    t1 = time.perf_counter()
+    _sync(device)
+    jax.block_until_ready(res) if name.startswith(("jax", "import3_call")) \
+        and not name.endswith(("out", "all")) else None
+    t2 = time.perf_counter()
+    r[f"pipe_{name}_host_us"] = round((t1 - t0) / n * 1e6, 1)
+    r[f"pipe_{name}_total_us"] = round((t2 - t0) / n * 1e6, 1)
+  return r
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--seq", type=int, nargs="*", default=[128, 4096])
@@ -252,11 +304,13 @@ def main(argv=None):
   p.add_argument("--device", default=None)
   p.add_argument("--phases", action="store_true",
                  help="also time the parts of a forward+backward")
+  p.add_argument("--pipeline", action="store_true",
+                 help="also find which step of a call waits for the GPU")
   a = p.parse_args(argv)
   dtype = getattr(torch, a.dtype) if a.dtype else None
   for s in a.seq:
     r = overhead(a.batch, a.heads, s, a.head_dim, dtype, a.device, a.iters,
-                 phases=a.phases)
+                 phases=a.phases, pipeline=a.pipeline)
     print(json.dumps({k: (round(v, 1) if isinstance(v, float) else v)
                       for k, v in r.items()}))
 

@@ -303,7 +303,8 @@ def fold_attention_forward(module, query, key, value, attention_mask,
     right = 0 if right < 0 else min(right, 0)
   static = (be, causal, int(left), int(right), softcap, float(scaling), 0, 0,
             False)
-  out, _, _ = _call(q, k, v, sinks, q_seg, k_seg, None, None, static)
+  out, _, _ = _call(q, k, v, sinks, q_seg, k_seg, None, None, static,
+                    need_lse=False)
   if bq != sq:
     out = out[:, bq - sq:]
   return out, None

@@ -159,7 +159,6 @@ class FoldKVCache:
     """Causal attention over packed prompts (q [total, n_heads, head_dim],
     k/v [total, n_kv_heads, head_dim], int32 cu_seqlens [n + 1]) whose K/V
     then fill the (empty) slots `seq_ids` (default 0..n-1). Returns out."""
-    import jax.numpy as jnp
     if max_seqlen is None:
       max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     if seq_ids is None:
