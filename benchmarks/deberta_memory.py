@@ -2,7 +2,7 @@
 assignment of the compiled step, without running it.
 
     python -m benchmarks.deberta_memory                      # B8 L512, both
-    python -m benchmarks.deberta_memory --batch 2 --seq 2048 --remat on
+    python -m benchmarks.deberta_memory --batch 2 --seq 2048 --remat layer
     python -m benchmarks.deberta_memory --attention standin  # no kernel
     python -m benchmarks.deberta_memory --dump-dir /tmp/d    # XLA's reports
 
@@ -56,7 +56,7 @@ def _standin():
   return disentangled_attention
 
 
-def analyse(batch: int, seq: int, remat: bool, attention: str,
+def analyse(batch: int, seq: int, remat, attention: str,
             dump_dir: str | None = None) -> dict:
   import jax
   import jax.numpy as jnp
@@ -103,7 +103,9 @@ def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--batch", type=int, default=8)
   ap.add_argument("--seq", type=int, default=512)
-  ap.add_argument("--remat", choices=("on", "off", "both"), default="both")
+  ap.add_argument("--remat", nargs="+", choices=("off", "ffn", "layer"),
+                  default=["off", "ffn", "layer"],
+                  help="DebertaV2Model(remat=...) variants: False, 'ffn', True")
   ap.add_argument("--attention", choices=("kernel", "standin"),
                   default="kernel")
   ap.add_argument("--dump-dir", default=None,
@@ -115,7 +117,8 @@ def main(argv=None) -> int:
         os.environ.get("XLA_FLAGS", "") +
         f" --xla_dump_to={a.dump_dir} --xla_dump_hlo_module_re=.*jit_step.*")
   results = []
-  for remat in ({"on": [True], "off": [False]}.get(a.remat, [False, True])):
+  for remat in ({"off": False, "layer": True, "ffn": "ffn"}[m]
+                for m in a.remat):
     r = analyse(a.batch, a.seq, remat, a.attention, a.dump_dir)
     results.append(r)
     print(json.dumps({k: v for k, v in r.items()

@@ -209,9 +209,10 @@ def _deberta_fn(s, point, impl, dump_hlo=None):
   training steps of benchmarks/deberta.py."""
   import jax
   from benchmarks import deberta as D
-  if impl in ("fold_jax", "fold_jax_remat"):
-    model, params = s.jax_model(s.jax_dtype(point),
-                                remat=impl == "fold_jax_remat")
+  if impl in ("fold_jax",) + D.TRAIN_ONLY:
+    model, params = s.jax_model(
+        s.jax_dtype(point), remat={"fold_jax_remat": True,
+                                   "fold_jax_ffn": "ffn"}.get(impl, False))
     ids, mask = s.jax_inputs(point)
     if point.mode == "fwd":
       f = jax.jit(lambda p, i, m: model.apply({"params": p}, i, m))
@@ -261,7 +262,7 @@ def main(argv=None) -> int:
                  help="deberta fold_jax forward: write the optimised HLO here")
   p.add_argument("--point", default="fwd-b16-l512")
   p.add_argument("--impls", default="fold_jax,disentangled_flash,fold_torch",
-                 help="of fold_jax, fold_jax_remat, fold_torch, "
+                 help="of fold_jax, fold_jax_ffn, fold_jax_remat, fold_torch, "
                       "disentangled_flash, hf_eager")
   p.add_argument("--calls", type=int, default=5)
   p.add_argument("--top", type=int, default=18)

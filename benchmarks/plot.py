@@ -1189,11 +1189,12 @@ def bridge_table(suite: dict, md: dict) -> list[str]:
 # ----------------------------------------------------------------------------
 # DeBERTa model suite (benchmarks/deberta.py: records with kind="model")
 # ----------------------------------------------------------------------------
-DEBERTA_ORDER = ("fold_jax", "fold_jax_remat", "fold_torch",
+DEBERTA_ORDER = ("fold_jax", "fold_jax_ffn", "fold_jax_remat", "fold_torch",
                  "disentangled_flash", "flashdeberta", "hf_eager")
-DEBERTA_OURS = ("fold_jax", "fold_jax_remat", "fold_torch")
+DEBERTA_OURS = ("fold_jax", "fold_jax_ffn", "fold_jax_remat", "fold_torch")
 DEBERTA_NAMES = {
     "fold_jax": "foldax JAX model (jax_api.deberta)",
+    "fold_jax_ffn": "foldax JAX model, remat='ffn'",
     "fold_jax_remat": "foldax JAX model, remat=True",
     "fold_torch": "HF + foldax torch_bridge.optimize_deberta",
     "disentangled_flash": "disentangled-flash",
@@ -1202,7 +1203,8 @@ DEBERTA_NAMES = {
 }
 DEBERTA_PKG = {"disentangled_flash": "disentangled-flash",
                "flashdeberta": "flashdeberta", "hf_eager": "transformers"}
-DEBERTA_COLORS = {"fold_jax": OURS_COLOR, "fold_jax_remat": "#9467bd",
+DEBERTA_COLORS = {"fold_jax": OURS_COLOR, "fold_jax_ffn": "#e377c2",
+                  "fold_jax_remat": "#9467bd",
                   "fold_torch": "#ff7f0e",
                   "disentangled_flash": "#1f77b4", "flashdeberta": "#2ca02c",
                   "hf_eager": "#7f7f7f"}

@@ -125,14 +125,16 @@ def test_hf_parity_kernel_backend(main_case):
     assert np.abs(c["grads"][name]).max() > 1e-3, name
 
 
-def test_remat_same_params_and_gradients(main_case):
-  """remat=True (each layer recomputed in the backward) keeps the parameter
-  tree and gives the HF gradients too, with dropout on (the recomputation
-  draws the same masks)."""
+@pytest.mark.parametrize("remat", [True, "ffn"])
+def test_remat_same_params_and_gradients(main_case, remat):
+  """remat=True (each layer recomputed in the backward) and remat="ffn"
+  (each feed-forward block) keep the parameter tree and give the HF
+  gradients too, with dropout on (the recomputation draws the same
+  masks)."""
   c = main_case
   m = c["model"]
-  rm, _ = from_hf(c["m"], attention_backend="interpret", remat=True)
-  assert rm.remat and not m.remat
+  rm, _ = from_hf(c["m"], attention_backend="interpret", remat=remat)
+  assert rm.remat == remat and not m.remat
   assert jax.tree.structure(rm.init(jax.random.key(0), jnp.asarray(c["ids"]),
                                     jnp.asarray(c["mask"]))["params"]) == \
       jax.tree.structure(c["params"])
@@ -147,6 +149,13 @@ def test_remat_same_params_and_gradients(main_case):
   for name, g in a[1].items():
     np.testing.assert_allclose(b[1][name], g, atol=GRAD_ATOL, rtol=0,
                                err_msg=name)
+
+
+def test_remat_rejects_unknown_mode(main_case):
+  c = main_case
+  bad = DebertaV2Model(config=c["model"].config, remat="everything")
+  with pytest.raises(ValueError, match="remat must be"):
+    bad.init(jax.random.key(0), jnp.asarray(c["ids"]), jnp.asarray(c["mask"]))
 
 
 def test_padded_and_packed_agree(main_case):

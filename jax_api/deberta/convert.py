@@ -104,7 +104,7 @@ def to_hf_state_dict(params, *, prefix: str = "") -> dict[str, np.ndarray]:
 
 def from_hf(hf_model_or_state_dict, config=None, *, dtype=jnp.float32,
             param_dtype=jnp.float32, attention_backend: str = "auto",
-            precision=None, remat: bool = False):
+            precision=None, remat: bool | str = False):
   """Converts a transformers DeBERTa-v2/v3 model (or state dict + config).
 
   Args:
@@ -120,8 +120,10 @@ def from_hf(hf_model_or_state_dict, config=None, *, dtype=jnp.float32,
     precision: of the model's matmuls (None: `jax.default_matmul_precision`,
       TF32 for float32 on recent NVIDIA GPUs; "highest": full float32, as
       PyTorch computes by default). See `modules._Common`.
-    remat: recompute each encoder layer in the backward (training memory
-      for one more forward per layer; HF's gradient checkpointing).
+    remat: what training recomputes in the backward (see
+      `modules._Common`): False, "ffn" (each layer's feed-forward block:
+      most of the activation memory for one more intermediate matmul per
+      layer) or True (each whole layer; HF's gradient checkpointing).
 
   Returns:
     (model, params): the linen `DebertaV2Model` and its params, such that

@@ -168,10 +168,14 @@ class _Common(nn.Module):
     full float32 (e.g. parity with PyTorch, whose float32 matmuls are full
     precision by default). The attention itself always uses full-precision
     dots for float32 inputs, whatever this is.
-  remat: recompute each encoder layer's forward in the backward
-    (`flax.linen.remat`, HF's gradient checkpointing): training keeps only
-    each layer's input, at the cost of one more forward per layer. Same
-    parameters, same dropout masks.
+  remat: what training recomputes in the backward instead of keeping
+    (`flax.linen.remat`; same parameters, same dropout masks):
+    False: nothing. "ffn": each layer's feed-forward block (the
+    intermediate matmul, GELU, output matmul, dropout and LayerNorm; its
+    [tokens, intermediate] activations are the largest a layer keeps) at
+    the cost of one more intermediate matmul per layer. True (or "layer"):
+    each whole layer (HF's gradient checkpointing): only each layer's input
+    is kept, at the cost of one more forward per layer.
   """
 
   config: DebertaV2Config
@@ -179,7 +183,7 @@ class _Common(nn.Module):
   param_dtype: Any = jnp.float32
   attention_backend: str = "auto"
   precision: Any = None
-  remat: bool = False
+  remat: bool | str = False
 
   def _child_kw(self) -> dict:
     return dict(config=self.config, dtype=self.dtype,
@@ -327,8 +331,31 @@ class DebertaV2Layer(_Common):
     att = self.attention(hidden, attention_mask, rel_embeddings,
                          cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
                          deterministic=deterministic)
-    return self.output(self.intermediate(att), att,
-                       deterministic=deterministic)
+    if _remat_mode(self.remat) == "ffn":
+      return _ffn_remat(self, att, deterministic)
+    return _ffn(self, att, deterministic)
+
+
+def _ffn(layer, att, deterministic):
+  return layer.output(layer.intermediate(att), att,
+                      deterministic=deterministic)
+
+
+# The feed-forward block recomputed in the backward (remat="ffn"): a lifted
+# function of the layer, so parameter names stay intermediate.* / output.*.
+_ffn_remat = nn.remat(_ffn, static_argnums=(2,))
+
+
+def _remat_mode(remat) -> str | None:
+  """None, "ffn" or "layer" for a `remat` attribute value."""
+  if remat is False or remat is None:
+    return None
+  if remat is True or remat == "layer":
+    return "layer"
+  if remat == "ffn":
+    return "ffn"
+  raise ValueError(f"remat must be False, True, 'layer' or 'ffn'; got "
+                   f"{remat!r}.")
 
 
 class _LayerCollection(_Common):
@@ -337,8 +364,8 @@ class _LayerCollection(_Common):
   def setup(self):
     # remat: max_seqlen and deterministic (positions 5, 6 counting self)
     # are Python values the layer branches on.
-    cls = (nn.remat(DebertaV2Layer, static_argnums=(5, 6)) if self.remat
-           else DebertaV2Layer)
+    cls = (nn.remat(DebertaV2Layer, static_argnums=(5, 6))
+           if _remat_mode(self.remat) == "layer" else DebertaV2Layer)
     self.layers = [cls(**self._child_kw(), name=str(i))
                    for i in range(self.config.num_hidden_layers)]
 
