@@ -21,9 +21,8 @@ DLPack and streams (GPU)
 ------------------------
 torch -> JAX: one CUDA event is recorded on torch's current stream and the
 stream JAX uses for external buffers (`Device.get_stream_for_external_ready_
-events()`, looked up once per device) waits on it (`cuEventRecord` and
-`cuStreamWaitEvent` through the driver API by ctypes, or torch's Event and
-ExternalStream objects if that fails; no host synchronisation); the
+events()`, looked up once per device) waits on it (`cudaStreamWaitEvent`,
+no host synchronisation); the
 call's first tensor is then imported with that stream (PJRT records its
 definition event there) and the others as ready, so every JAX computation
 of the call, which starts after all of its inputs' definition events, is
@@ -229,55 +228,12 @@ def _jax_internal():
   return _JAX
 
 
-class _DriverSync:
-  """cuEventRecord / cuStreamWaitEvent through the CUDA driver (ctypes): the
-  stream hand-off without torch's Python Event/Stream objects (about 2 us
-  instead of 15-30 on the H200's host). One event per device, reused: CUDA
-  captures an event's state when a stream is made to wait on it, so
-  re-recording it for the next call is safe."""
-
-  def __init__(self):
-    import ctypes
-    self._ct = ctypes
-    self.lib = ctypes.CDLL("libcuda.so.1")
-    for name in ("cuEventCreate", "cuEventRecord", "cuStreamWaitEvent"):
-      getattr(self.lib, name).restype = ctypes.c_int
-    self.lib.cuEventRecord.argtypes = (ctypes.c_void_p, ctypes.c_void_p)
-    self.lib.cuStreamWaitEvent.argtypes = (ctypes.c_void_p, ctypes.c_void_p,
-                                           ctypes.c_uint)
-    self.events: dict = {}
-
-  def event(self, idx: int):
-    ev = self.events.get(idx)
-    if ev is None:
-      import torch
-      torch.cuda.init()
-      with torch.cuda.device(idx):  # the device's primary context current
-        torch.cuda.current_stream(idx).synchronize()
-        h = self._ct.c_void_p()
-        rc = self.lib.cuEventCreate(self._ct.byref(h), 2)  # DISABLE_TIMING
-      if rc != 0:
-        raise RuntimeError(f"cuEventCreate failed ({rc})")
-      ev = self.events[idx] = h.value
-    return ev
-
-  def order(self, torch_stream: int, jax_stream: int, idx: int) -> None:
-    ev = self.event(idx)
-    rc = self.lib.cuEventRecord(ev, torch_stream)
-    if rc == 0:
-      rc = self.lib.cuStreamWaitEvent(jax_stream, ev, 0)
-    if rc != 0:
-      raise RuntimeError(f"CUDA driver call failed ({rc})")
-
-
-_driver: "_DriverSync | None | bool" = None  # False: unavailable
 _external_streams: dict = {}  # jax device -> its external-ready stream
 
 
 def _order_jax_after_torch(target: Target):
   """Makes JAX's external-ready stream wait on torch's current stream;
   returns that stream (int) for the imports of this call."""
-  global _driver
   import torch
   dev = target.torch_device
   idx = dev.index if dev.index is not None else torch.cuda.current_device()
@@ -285,19 +241,6 @@ def _order_jax_after_torch(target: Target):
   if stream is None:  # PJRT's dedicated stream: fixed per device
     stream = target.jax_device.get_stream_for_external_ready_events()
     _external_streams[target.jax_device] = stream
-  if _driver is None:
-    try:
-      _driver = _DriverSync()
-    except Exception:  # noqa: BLE001 - no libcuda: torch's events below
-      _driver = False
-  if _driver:
-    try:
-      _driver.order(torch._C._cuda_getCurrentRawStream(idx), stream, idx)
-      return stream
-    except Exception as e:  # noqa: BLE001
-      _driver = False
-      announce(f"torch_bridge: CUDA driver stream hand-off failed ({e!r}); "
-               "using torch.cuda events.")
   entry = _cuda_sync.get(idx)
   if entry is None:
     entry = (torch.cuda.Event(), {})
