@@ -221,6 +221,7 @@ def test_deberta_ratios_and_targets():
                    2.7 * G),
       _deberta_rec("train-b8-l512", "fold_jax", 30.0, "train", 2.5 * G),
       _deberta_rec("train-b8-l512", "fold_torch", None, "train"),
+      _deberta_rec("train-b8-l512", "fold_jax_ffn", 33.0, "train", 1.4 * G),
   ]
   for p in ("fwd-b4-l2048", "train-b8-l512"):
     DB.add_ratios({r["impl"]: r for r in recs if r["point"] == p})
@@ -237,6 +238,14 @@ def test_deberta_ratios_and_targets():
   assert c["met"] and c["speedup"] == round(69 / 20, 3) and c["threshold"] == 3
   assert fj["checks"]["train-b8-l512 peak memory <= disentangled_flash"][
       "value_gib"] == 2.5
+  # remat="ffn": its own training step, fold_jax's (same) forward.
+  ff = t["deberta_issue"]["fold_jax_ffn"]
+  assert ff["met"] is True, ff
+  assert ff["checks"]["fwd-b4-l2048 >= 3x hf_eager (fold_jax's forward)"][
+      "ms"] == 20.0
+  assert ff["checks"]["train-b8-l512 peak memory <= disentangled_flash"][
+      "value_gib"] == 1.4
+  assert t["deberta_issue"]["fold_jax_remat"]["met"] is None  # not timed
   ft = t["deberta_issue"]["fold_torch"]
   assert ft["met"] is False  # slower than disentangled-flash at B4 L2048
   assert ft["checks"]["train-b8-l512 >= 1.5x hf_eager"]["met"] is None
