@@ -50,7 +50,7 @@ import os
 import torch
 
 from torch_bridge import _runtime as rt
-from torch_bridge.attention import _call, resolve_backend
+from torch_bridge.attention import _call, _dense_static
 
 NAME = "fold"
 _BUCKETS = os.environ.get("FOLDAX_HF_BUCKETS", "1") != "0"
@@ -297,12 +297,7 @@ def fold_attention_forward(module, query, key, value, attention_mask,
   k = _to_bshd(key, bk)
   v = _to_bshd(value, bk)
   sinks = s_aux
-  be = resolve_backend(q)
-  left, right = window
-  if causal:
-    right = 0 if right < 0 else min(right, 0)
-  static = (be, causal, int(left), int(right), softcap, float(scaling), 0, 0,
-            False)
+  static = _dense_static(q, causal, window, softcap, float(scaling), sinks)
   out, _, _ = _call(q, k, v, sinks, q_seg, k_seg, None, None, static,
                     need_lse=False)
   if bq != sq:
