@@ -12,7 +12,8 @@ Plain autodiff of `nn.gelu(x, approximate=False)` keeps four
   per-row mean and 1/std ([tokens] each).
 * `dropout(x, key, rate)` keeps only the key: the backward regenerates the
   same mask from it (the mask is what flax's `nn.Dropout` draws from the
-  same key: `jax.random.bernoulli(key, 1 - rate, x.shape)`).
+  same key: `jax.random.bernoulli(key, 1 - rate, x.shape)`); `Dropout` and
+  `DropoutNNX` are the linen and nnx layers over it.
 
 Each backward first passes what it kept through `jax.lax.optimization_barrier`
 together with the incoming cotangent (`_after`): otherwise XLA merges the
@@ -34,6 +35,7 @@ import math
 
 import flax.linen as nn
 import jax
+from flax import nnx
 import jax.numpy as jnp
 
 _INV_SQRT2 = 1.0 / math.sqrt(2.0)
@@ -191,3 +193,24 @@ class Dropout(nn.Module):
     if self.rate == 1.0:
       return jnp.zeros_like(x)
     return dropout(x, self.make_rng(self.rng_collection), float(self.rate))
+
+
+class DropoutNNX(nnx.Dropout):
+  """`flax.nnx.Dropout` whose backward regenerates the mask from the key
+  (`dropout`): the same key draw from the same rng stream, the same mask.
+  With `broadcast_dims`, rate 0 or 1, or deterministic, it is nnx.Dropout."""
+
+  def __call__(self, inputs, *, deterministic: bool | None = None,
+               rngs=None):
+    det = self.deterministic if deterministic is None else deterministic
+    rngs = self.rngs if rngs is None else rngs
+    if (self.broadcast_dims or det is None or det or rngs is None or
+        self.rate in (0.0, 1.0)):
+      return super().__call__(inputs, deterministic=deterministic, rngs=rngs)
+    if isinstance(rngs, nnx.Rngs):
+      key = rngs[self.rng_collection]()
+    elif isinstance(rngs, nnx.RngStream):
+      key = rngs()
+    else:
+      key = rngs
+    return dropout(inputs, key, float(self.rate))

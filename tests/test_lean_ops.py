@@ -63,6 +63,32 @@ def test_dropout_same_mask_and_grad_as_flax():
   np.testing.assert_array_equal(ours.apply({}, x, True), x)
 
 
+def test_nnx_dropout_same_mask_and_grad_as_nnx():
+  from flax import nnx
+  x = _x((4, 64))
+  g = _x((4, 64), 1)
+
+  def run(cls):
+    y = cls(0.3, rngs=nnx.Rngs(dropout=5))(x)
+    layer = cls(0.3, rngs=nnx.Rngs(dropout=5))
+    gx = nnx.grad(lambda layer, x: jnp.sum(layer(x) * g), argnums=1)(layer,
+                                                                      x)
+    y2 = layer(x)  # the stream advanced: a new mask
+    return y, gx, y2
+
+  y, gx, y2 = run(lean.DropoutNNX)
+  yr, gxr, y2r = run(nnx.Dropout)
+  np.testing.assert_array_equal(y == 0, yr == 0)
+  np.testing.assert_allclose(y, yr, rtol=1e-6)
+  np.testing.assert_allclose(gx, gxr, rtol=1e-6)
+  np.testing.assert_allclose(y2, y2r, rtol=1e-6)
+  assert not np.array_equal(y == 0, y2 == 0)
+  assert 0 < int(jnp.sum(y == 0)) < y.size
+  layer = lean.DropoutNNX(0.3, rngs=nnx.Rngs(dropout=5))
+  layer.eval()
+  np.testing.assert_array_equal(layer(x), x)
+
+
 def test_residuals_are_lean():
   """The backward keeps x for GELU and LayerNorm, the key for dropout."""
   from jax._src.ad_checkpoint import saved_residuals

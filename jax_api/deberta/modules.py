@@ -687,7 +687,7 @@ class DebertaV2SelfAttentionNNX(nnx.Module):
         self.pos_key_proj = mk()
       if "p2c" in cfg.pos_att_type:
         self.pos_query_proj = mk()
-    self.pos_dropout = nnx.Dropout(cfg.hidden_dropout_prob, rngs=rngs)
+    self.pos_dropout = lean.DropoutNNX(cfg.hidden_dropout_prob, rngs=rngs)
     self.rngs = rngs
     self.deterministic = False
 
@@ -715,7 +715,7 @@ class _DenseLayerNormNNX(nnx.Module):
     self.dense = _nnx_linear(n_in, cfg.hidden_size, dtype, param_dtype, rngs,
                              precision=precision)
     self.LayerNorm = _nnx_layer_norm(cfg, dtype, param_dtype, rngs)
-    self.dropout = nnx.Dropout(cfg.hidden_dropout_prob, rngs=rngs)
+    self.dropout = lean.DropoutNNX(cfg.hidden_dropout_prob, rngs=rngs)
 
   def __call__(self, hidden, input_tensor, deterministic=None):
     h = self.dropout(self.dense(hidden), deterministic=deterministic)
@@ -786,7 +786,7 @@ class _ConvLayerNNX(nnx.Module):
     self.precision = precision
     self.conv = _ConvParamsNNX(cfg, param_dtype, rngs)
     self.LayerNorm = _nnx_layer_norm(cfg, dtype, param_dtype, rngs)
-    self.dropout = nnx.Dropout(cfg.hidden_dropout_prob, rngs=rngs)
+    self.dropout = lean.DropoutNNX(cfg.hidden_dropout_prob, rngs=rngs)
 
   def __call__(self, hidden, residual, input_mask, cu_seqlens=None,
                deterministic=None):
@@ -871,7 +871,7 @@ class _EmbeddingsNNX(nnx.Module):
                                     param_dtype, rngs, bias=False,
                                     precision=precision)
     self.LayerNorm = _nnx_layer_norm(cfg, dtype, param_dtype, rngs)
-    self.dropout = nnx.Dropout(cfg.hidden_dropout_prob, rngs=rngs)
+    self.dropout = lean.DropoutNNX(cfg.hidden_dropout_prob, rngs=rngs)
 
   def __call__(self, input_ids, token_type_ids=None, position_ids=None,
                mask=None, deterministic=None):
