@@ -335,6 +335,41 @@ def test_nnx_model_matches_linen_and_hf(main_case):
   assert float(jnp.abs(f(m2) - f(m2)).max()) > 0
 
 
+@pytest.mark.parametrize("remat", [True, "ffn"])
+def test_nnx_remat_same_outputs_and_gradients(main_case, remat):
+  """The nnx model's remat gives the same output and gradients in training
+  mode (the recomputation draws the same dropout masks)."""
+  from flax import nnx
+  c = main_case
+  cfg = _hf_config(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+  hf_model = _hf_model(cfg)
+  ids, mask, w = (jnp.asarray(x) for x in (c["ids"], c["mask"], c["w"]))
+
+  @nnx.jit
+  def out_and_grads(model):
+    def loss(model):
+      out = model(ids, mask)
+      return jnp.sum(out * w), out
+    (_, out), grads = nnx.value_and_grad(loss, has_aux=True)(model)
+    return out, grads
+
+  res = []
+  for r in (False, remat):
+    model = from_hf_nnx(hf_model, attention_backend="xla", seed=3, remat=r)
+    model.train()
+    out, grads = out_and_grads(model)
+    res.append((np.asarray(out), to_hf_state_dict(linen_params(grads))))
+  (a, ga), (b, gb) = res
+  plain = from_hf_nnx(hf_model, attention_backend="xla", seed=3)
+  plain.eval()
+  assert float(np.abs(a - np.asarray(plain(ids, mask))).max()) > 1e-3  # dropout on
+  np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)
+  assert set(ga) == set(gb)
+  for name, g in ga.items():
+    np.testing.assert_allclose(gb[name], g, atol=GRAD_ATOL, rtol=0,
+                               err_msg=name)
+
+
 # ---------------------------------------------------------------------------
 # GPU (the lead's H200 run).
 

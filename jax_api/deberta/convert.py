@@ -168,9 +168,9 @@ def from_hf_for_sequence_classification(hf_model, *, dtype=jnp.float32,
 
 def from_hf_nnx(hf_model_or_state_dict, config=None, *, dtype=jnp.float32,
                 param_dtype=jnp.float32, attention_backend: str = "auto",
-                precision=None, seed: int = 0):
+                precision=None, seed: int = 0, remat: bool | str = False):
   """As `from_hf`, returning a `flax.nnx` `DebertaV2ModelNNX` with the
-  converted weights (seed: its dropout stream)."""
+  converted weights (seed: its dropout stream; remat: as `from_hf`'s)."""
   from flax import nnx
 
   from jax_api.deberta.modules import DebertaV2ModelNNX, load_linen_params
@@ -180,5 +180,6 @@ def from_hf_nnx(hf_model_or_state_dict, config=None, *, dtype=jnp.float32,
   model = DebertaV2ModelNNX(linen_model.config, dtype=dtype,
                             param_dtype=param_dtype,
                             attention_backend=attention_backend,
-                            precision=precision, rngs=nnx.Rngs(seed))
+                            precision=precision, remat=remat,
+                            rngs=nnx.Rngs(seed))
   return load_linen_params(model, params)

@@ -752,20 +752,43 @@ class _IntermediateNNX(nnx.Module):
 
 class _LayerNNX(nnx.Module):
 
-  def __init__(self, cfg, dtype, param_dtype, backend, rngs, precision=None):
+  def __init__(self, cfg, dtype, param_dtype, backend, rngs, precision=None,
+               remat=False):
     self.attention = _AttentionNNX(cfg, dtype, param_dtype, backend, rngs,
                                    precision)
     self.intermediate = _IntermediateNNX(cfg, dtype, param_dtype, rngs,
                                          precision)
     self.output = _DenseLayerNormNNX(cfg, cfg.intermediate_size, dtype,
                                      param_dtype, rngs, precision)
+    self.remat_mode = _remat_mode(remat)
 
   def __call__(self, hidden, attention_mask, rel, *, cu_seqlens=None,
                max_seqlen=None, deterministic=None):
-    att = self.attention(hidden, attention_mask, rel, cu_seqlens=cu_seqlens,
-                         max_seqlen=max_seqlen, deterministic=deterministic)
-    return self.output(self.intermediate(att), att,
-                       deterministic=deterministic)
+    if self.remat_mode == "layer":
+      return _nnx_layer_remat(self, hidden, attention_mask, rel, cu_seqlens,
+                              max_seqlen, deterministic)
+    return _nnx_layer(self, hidden, attention_mask, rel, cu_seqlens,
+                      max_seqlen, deterministic)
+
+
+def _nnx_layer(layer, hidden, attention_mask, rel, cu_seqlens, max_seqlen,
+               deterministic):
+  att = layer.attention(hidden, attention_mask, rel, cu_seqlens=cu_seqlens,
+                        max_seqlen=max_seqlen, deterministic=deterministic)
+  if layer.remat_mode == "ffn":
+    return _nnx_ffn_remat(layer, att, deterministic)
+  return _nnx_ffn(layer, att, deterministic)
+
+
+def _nnx_ffn(layer, att, deterministic):
+  return layer.output(layer.intermediate(att), att,
+                      deterministic=deterministic)
+
+
+# remat (as the linen model's): max_seqlen and deterministic are Python
+# values the layer branches on.
+_nnx_layer_remat = nnx.remat(_nnx_layer, static_argnums=(5, 6))
+_nnx_ffn_remat = nnx.remat(_nnx_ffn, static_argnums=(2,))
 
 
 class _ConvParamsNNX(nnx.Module):
@@ -804,12 +827,12 @@ class DebertaV2EncoderNNX(nnx.Module):
 
   def __init__(self, config: DebertaV2Config, *, dtype=jnp.float32,
                param_dtype=jnp.float32, attention_backend: str = "auto",
-               precision=None, rngs: nnx.Rngs):
+               precision=None, remat: bool | str = False, rngs: nnx.Rngs):
     cfg = config
     self.config = cfg
     self.layer = nnx.List([
         _LayerNNX(cfg, dtype, param_dtype, attention_backend, rngs,
-                  precision)
+                  precision, remat)
         for _ in range(cfg.num_hidden_layers)])
     if cfg.relative_attention:
       self.rel_embeddings = nnx.Embed(
@@ -893,17 +916,18 @@ class _EmbeddingsNNX(nnx.Module):
 
 class DebertaV2ModelNNX(nnx.Module):
   """nnx `DebertaV2Model`: model(input_ids, attention_mask) -> last hidden
-  state; packed input with cu_seqlens as in the linen class."""
+  state; packed input with cu_seqlens and `remat` as in the linen class."""
 
   def __init__(self, config: DebertaV2Config, *, dtype=jnp.float32,
                param_dtype=jnp.float32, attention_backend: str = "auto",
-               precision=None, rngs: nnx.Rngs):
+               precision=None, remat: bool | str = False, rngs: nnx.Rngs):
     self.config = config
     self.embeddings = _EmbeddingsNNX(config, dtype, param_dtype, rngs,
                                      precision)
     self.encoder = DebertaV2EncoderNNX(
         config, dtype=dtype, param_dtype=param_dtype,
-        attention_backend=attention_backend, precision=precision, rngs=rngs)
+        attention_backend=attention_backend, precision=precision,
+        remat=remat, rngs=rngs)
 
   def __call__(self, input_ids, attention_mask=None, token_type_ids=None,
                position_ids=None, *, cu_seqlens=None, max_seqlen=None,
