@@ -1,7 +1,7 @@
 """Where the memory of the JAX DeBERTa training step goes: XLA's buffer
 assignment of the compiled step, without running it.
 
-    python -m benchmarks.deberta_memory                      # B8 L512, both
+    python -m benchmarks.deberta_memory          # B8 L512; remat off, ffn, layer
     python -m benchmarks.deberta_memory --batch 2 --seq 2048 --remat layer
     python -m benchmarks.deberta_memory --attention standin  # no kernel
     python -m benchmarks.deberta_memory --dump-dir /tmp/d    # XLA's reports
@@ -57,7 +57,9 @@ def _standin():
 
 
 def analyse(batch: int, seq: int, remat, attention: str,
-            dump_dir: str | None = None) -> dict:
+            dump_dir: str | None = None, smoke: bool = False) -> dict:
+  """One variant's buffer assignment (smoke: benchmarks.deberta's tiny
+  configuration, for tests)."""
   import jax
   import jax.numpy as jnp
   from benchmarks.deberta import hf_config_kwargs, jax_train_step
@@ -65,7 +67,7 @@ def analyse(batch: int, seq: int, remat, attention: str,
   from jax_api.deberta import modules as M
   from jax_api.deberta.modules import DebertaV2Config
 
-  cfg = DebertaV2Config.from_hf(hf_config_kwargs(smoke=False))
+  cfg = DebertaV2Config.from_hf(hf_config_kwargs(smoke=smoke))
   saved = M.disentangled_attention
   if attention == "standin":
     M.disentangled_attention = _standin()
@@ -83,6 +85,7 @@ def analyse(batch: int, seq: int, remat, attention: str,
     M.disentangled_attention = saved
   m = compiled.memory_analysis()
   r = dict(batch=batch, seq=seq, remat=remat, attention=attention,
+           smoke=smoke,
            platform=jax.devices()[0].platform,
            argument_bytes=int(m.argument_size_in_bytes),
            temp_bytes=int(m.temp_size_in_bytes),
@@ -111,6 +114,8 @@ def main(argv=None) -> int:
   ap.add_argument("--dump-dir", default=None,
                   help="dump XLA's reports here (set before JAX starts)")
   ap.add_argument("--output", default=None, help="write the JSON here")
+  ap.add_argument("--smoke", action="store_true",
+                  help="the tiny configuration of benchmarks.deberta --smoke")
   a = ap.parse_args(argv)
   if a.dump_dir:  # read when JAX's backend starts: set before any import
     os.environ["XLA_FLAGS"] = (
@@ -119,7 +124,7 @@ def main(argv=None) -> int:
   results = []
   for remat in ({"off": False, "layer": True, "ffn": "ffn"}[m]
                 for m in a.remat):
-    r = analyse(a.batch, a.seq, remat, a.attention, a.dump_dir)
+    r = analyse(a.batch, a.seq, remat, a.attention, a.dump_dir, a.smoke)
     results.append(r)
     print(json.dumps({k: v for k, v in r.items()
                       if k != "memory_usage_report_head"}), flush=True)

@@ -291,3 +291,21 @@ def test_deberta_suite_smoke_run_and_plot(tmp_path):
   t = (tmp_path / "f" / "table.md").read_text()
   assert "DeBERTa-v3-base encoder (whole model)" in t
   assert "Acceptance targets" in t and "foldax JAX model" in t
+
+
+def test_deberta_memory_tool_smoke(tmp_path):
+  """benchmarks.deberta_memory on the tiny configuration: every remat mode
+  compiles and reports XLA's buffer sizes (and the memory report head)."""
+  out = tmp_path / "mem.json"
+  r = _run(["-m", "benchmarks.deberta_memory", "--smoke", "--batch", "2",
+            "--seq", "32", "--attention", "standin", "--dump-dir",
+            str(tmp_path / "dump"), "--output", str(out)], timeout=300)
+  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+  res = json.loads(out.read_text())
+  assert [x["remat"] for x in res] == [False, "ffn", True]
+  for x in res:
+    assert x["smoke"] and x["temp_bytes"] > 0 and x["argument_bytes"] > 0
+    assert x["peak_mem_bytes"] == (x["argument_bytes"] + x["temp_bytes"] +
+                                   x["output_bytes"] - x["alias_bytes"])
+    assert any("Total bytes" in line for line in
+               x["memory_usage_report_head"])
