@@ -307,6 +307,20 @@ def test_finetune_step_loss_decreases():
   assert np.mean(losses[-5:]) < 0.7 * np.mean(losses[:5]), losses
 
 
+def _nnx_out_and_grads(model, ids, mask, w):
+  """The nnx model's output and the gradients of sum(out * w), jitted."""
+  from flax import nnx
+
+  @nnx.jit
+  def run(model):
+    def loss(model):
+      out = model(ids, mask)
+      return jnp.sum(out * w), out
+    (_, out), grads = nnx.value_and_grad(loss, has_aux=True)(model)
+    return out, grads
+  return run(model)
+
+
 def test_nnx_model_matches_linen_and_hf(main_case):
   from flax import nnx
   c = main_case
@@ -315,16 +329,7 @@ def test_nnx_model_matches_linen_and_hf(main_case):
       to_hf_state_dict(c["params"]))
   model.eval()
   ids, mask, w = (jnp.asarray(x) for x in (c["ids"], c["mask"], c["w"]))
-
-  @nnx.jit
-  def loss_and_grad(model):
-    def loss(model):
-      out = model(ids, mask)
-      return jnp.sum(out * w), out
-    (_, out), grads = nnx.value_and_grad(loss, has_aux=True)(model)
-    return out, grads
-
-  out, grads = loss_and_grad(model)
+  out, grads = _nnx_out_and_grads(model, ids, mask, w)
   g = to_hf_state_dict(linen_params(grads))
   _compare(np.asarray(out), c["ref_out"], g, c["ref_grads"], c["mask"])
   # Training mode draws dropout masks from the module's rngs.
@@ -339,25 +344,15 @@ def test_nnx_model_matches_linen_and_hf(main_case):
 def test_nnx_remat_same_outputs_and_gradients(main_case, remat):
   """The nnx model's remat gives the same output and gradients in training
   mode (the recomputation draws the same dropout masks)."""
-  from flax import nnx
   c = main_case
   cfg = _hf_config(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
   hf_model = _hf_model(cfg)
   ids, mask, w = (jnp.asarray(x) for x in (c["ids"], c["mask"], c["w"]))
-
-  @nnx.jit
-  def out_and_grads(model):
-    def loss(model):
-      out = model(ids, mask)
-      return jnp.sum(out * w), out
-    (_, out), grads = nnx.value_and_grad(loss, has_aux=True)(model)
-    return out, grads
-
   res = []
   for r in (False, remat):
     model = from_hf_nnx(hf_model, attention_backend="xla", seed=3, remat=r)
     model.train()
-    out, grads = out_and_grads(model)
+    out, grads = _nnx_out_and_grads(model, ids, mask, w)
     res.append((np.asarray(out), to_hf_state_dict(linen_params(grads))))
   (a, ga), (b, gb) = res
   plain = from_hf_nnx(hf_model, attention_backend="xla", seed=3)

@@ -155,7 +155,8 @@ def from_hf(hf_model_or_state_dict, config=None, *, dtype=jnp.float32,
 def from_hf_for_sequence_classification(hf_model, *, dtype=jnp.float32,
                                         param_dtype=jnp.float32,
                                         attention_backend: str = "auto",
-                                        precision=None, remat: bool = False):
+                                        precision=None,
+                                        remat: bool | str = False):
   """A transformers `DebertaV2ForSequenceClassification` -> (linen
   `DebertaV2ForSequenceClassification`, params); options as `from_hf`."""
   config = DebertaV2Config.from_hf(hf_model.config)

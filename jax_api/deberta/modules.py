@@ -337,6 +337,7 @@ class DebertaV2Layer(_Common):
 
 
 def _ffn(layer, att, deterministic):
+  """The feed-forward block of a linen or nnx layer (same attribute names)."""
   return layer.output(layer.intermediate(att), att,
                       deterministic=deterministic)
 
@@ -777,18 +778,13 @@ def _nnx_layer(layer, hidden, attention_mask, rel, cu_seqlens, max_seqlen,
                         max_seqlen=max_seqlen, deterministic=deterministic)
   if layer.remat_mode == "ffn":
     return _nnx_ffn_remat(layer, att, deterministic)
-  return _nnx_ffn(layer, att, deterministic)
-
-
-def _nnx_ffn(layer, att, deterministic):
-  return layer.output(layer.intermediate(att), att,
-                      deterministic=deterministic)
+  return _ffn(layer, att, deterministic)
 
 
 # remat (as the linen model's): max_seqlen and deterministic are Python
 # values the layer branches on.
 _nnx_layer_remat = nnx.remat(_nnx_layer, static_argnums=(5, 6))
-_nnx_ffn_remat = nnx.remat(_nnx_ffn, static_argnums=(2,))
+_nnx_ffn_remat = nnx.remat(_ffn, static_argnums=(2,))
 
 
 class _ConvParamsNNX(nnx.Module):
