@@ -72,9 +72,14 @@ class DebertaBlocks:
   table: BlockSizes  # position-table GEMM: block_q rows, block_k columns
 
 
-# Hopper (sm_90) starting points; the lead's H200 sweep refines them.
+# Hopper (sm_90). The 16-bit forward entry comes from an H200 sweep of the
+# whole DeBERTa-v3-base encoder (`python -m benchmarks.deberta_sweep`,
+# benchmarks/results/h200/deberta-sweep-2026-12-03/): 64x128 with 4 warps ran
+# B16 L512 in 7.31 ms against 8.07 ms for the earlier 128x64 with 8 warps
+# (ragged padding: 7.02 against 7.97 ms); the table GEMM's 128x128/8 warps
+# stayed the fastest of five.
 _H100 = {
-    ("fwd", 2): BlockSizes(128, 64, 8, 2),
+    ("fwd", 2): BlockSizes(64, 128, 4, 2),
     ("fwd", 4): BlockSizes(64, 32, 4, 1),
     ("bwd_kv", 2): BlockSizes(64, 64, 4, 1),
     ("bwd_kv", 4): BlockSizes(32, 32, 4, 1),
