@@ -92,7 +92,14 @@ def main(argv=None):
                  "128,128,8,3;64,64,4,3")
   p.add_argument("--ff-configs", default="128,64,4,3;128,64,8,3;128,64,8,4;"
                  "128,128,8,3;128,128,8,2;64,64,4,3")
+  p.add_argument("--launch", action="store_true",
+                 help="instead: per-call latency at B1 H16 S128 D128 of the "
+                 "JAX call, the same kernel launched directly on torch "
+                 "tensors, and torch_bridge.fold_attn_func")
+  p.add_argument("--iters", type=int, default=300)
   a = p.parse_args(argv)
+  if a.launch:
+    return launch_latency(a)
   import tempfile
   import torch
   b, s, h, d = a.b, a.s, a.h, a.d
@@ -185,6 +192,89 @@ def main(argv=None):
     except Exception as e:  # noqa: BLE001
       rec(kind="fastflash_config", blocks=tag, error=repr(e)[:300])
   print("IR and cubins in", tmp)
+
+
+def _sync_median_us(fn, sync, iters, warmup=20):
+  for _ in range(warmup):
+    fn()
+  sync()
+  ts = []
+  for _ in range(iters):
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    ts.append(time.perf_counter() - t0)
+  return statistics.median(ts) * 1e6
+
+
+def launch_latency(a):
+  """Synchronised per-call latency (us) at B1 H16 S128 D128 causal bf16:
+  what a torch caller pays for the forward through JAX, through the bridge,
+  and through a direct launch of the same Triton IR on torch's stream."""
+  import tempfile
+  import torch
+  import torch_bridge as tb
+  b, s, h, d = 1, 128, 16, 128
+  records = [{"kind": "meta", "date": time.strftime("%Y-%m-%d %H:%M"),
+              "gpu": torch.cuda.get_device_name(), "jax": jax.__version__,
+              "torch": torch.__version__,
+              "triton": __import__("triton").__version__,
+              "shape": dict(b=b, s=s, h=h, d=d, causal=True,
+                            dtype="bfloat16"), "iters": a.iters}]
+  try:
+    from jax._src.lib import gpu_triton  # noqa: F401
+    records[0]["jaxlib_gpu_triton"] = True
+  except Exception as e:  # noqa: BLE001
+    records[0]["jaxlib_gpu_triton"] = repr(e)[:200]
+  cfg = MaskConfig.make(causal=True, window_size=(-1, -1), has_segments=False,
+                        softcap=0.0, scale=d ** -0.5)
+  from pallas_kernels.flash.config import block_sizes_for
+  bs = block_sizes_for(compute_capability=(9, 0), head_dim=d,
+                       dtype=jnp.bfloat16, mode="fwd", interpret=False)
+  dev = torch.device("cuda")
+  gen = torch.Generator(device=dev).manual_seed(0)
+  q4, k4, v4 = (torch.randn(b, s, h, d, device=dev, dtype=torch.bfloat16,
+                            generator=gen) for _ in range(3))
+  qt, kt, vt = (x.view(b * s, h, d) for x in (q4, k4, v4))
+  cu_t = torch.arange(b + 1, device=dev, dtype=torch.int32) * s
+  qj, kj, vj, cuj = (jnp.from_dlpack(x) for x in (qt, kt, vt, cu_t))
+  fwd = jax.jit(lambda q, k, v, cu: flash_forward(
+      q, k, v, cu, cu, cfg=cfg, blocks=bs, max_seqlen_q=s))
+  ttir = [m for m in _capture_ttir(
+      lambda q, k, v, cu: flash_forward(q, k, v, cu, cu, cfg=cfg, blocks=bs,
+                                        max_seqlen_q=s),
+      qj, kj, vj, cuj) if "fold_flash_forward" in m][0]
+  kern = _pip_compile(ttir, "launch", bs, tempfile.mkdtemp(prefix="tl_"))
+  grid = (-(-s // bs.block_q), b, h)
+
+  def direct():
+    o = torch.empty_like(qt)
+    lse = torch.empty(h, b * s, device=dev, dtype=torch.float32)
+    kern[grid](cu_t, cu_t, qt, kt, vt, o, lse)
+    return o.view(b, s, h, d)
+
+  ref = jax.block_until_ready(fwd(qj, kj, vj, cuj))[0]
+  err = (direct().view(b * s, h, d).float() -
+         torch.from_dlpack(ref).float()).abs().max().item()
+  sync = torch.cuda.synchronize
+  res = {
+      "jax_call_us": _sync_median_us(
+          lambda: jax.block_until_ready(fwd(qj, kj, vj, cuj)), lambda: None,
+          a.iters),
+      "direct_launch_us": _sync_median_us(direct, sync, a.iters),
+      "bridge_us": _sync_median_us(
+          lambda: tb.fold_attn_func(q4, k4, v4, causal=True), sync, a.iters),
+      "torch_sdpa_us": _sync_median_us(
+          lambda: torch.nn.functional.scaled_dot_product_attention(
+              q4.transpose(1, 2), k4.transpose(1, 2), v4.transpose(1, 2),
+              is_causal=True), sync, a.iters),
+      "empty_sync_us": _sync_median_us(lambda: None, sync, a.iters),
+      "direct_max_abs_diff_vs_jax": err,
+  }
+  records.append(dict(kind="launch_latency", **res))
+  print(json.dumps(records, indent=1), flush=True)
+  with open(a.out, "w") as f:
+    json.dump(records, f, indent=1)
 
 
 if __name__ == "__main__":
