@@ -6,7 +6,10 @@ work eagerly, under autograd (including double-backward-free training loops
 and `torch.utils.checkpoint`) and under `torch.compile(fullgraph=True)`.
 Each op hands its tensors to a jit-compiled JAX function through DLPack (no
 copy; see `torch_bridge._runtime` for the stream and lifetime rules) and
-returns JAX's outputs as torch tensors. The backward op feeds the saved
+returns JAX's outputs as torch tensors; dense (non-varlen, unsegmented)
+attention on CUDA skips PJRT and launches the same Pallas kernels' Triton
+IR on torch's stream (`torch_bridge._direct`; FOLDAX_TORCH_LAUNCH=jax turns
+that off). The backward op feeds the saved
 output and log-sum-exp to the same VJP the JAX API uses; nothing is
 recomputed and the gradients are bitwise deterministic.
 """
@@ -20,6 +23,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from torch_bridge import _direct
 from torch_bridge import _runtime as rt
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -107,6 +111,12 @@ def _fwd_impl(q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, static,
   them again); aux_tensor=False leaves the XLA path's aux as None;
   need_lse=False (eager calls that do not return it) hands torch only the
   output (lse and aux come back as None; each export costs host time)."""
+  if _direct.eligible(static, q, k, q_seg, k_seg, cu_q):
+    out, lse, aux = _direct.plan(static, q, k, sinks).forward(
+        q, k, v, sinks, need_lse=need_lse)
+    if keep:
+      return (out, lse, aux), None
+    return out, lse, aux
   p = _plan(static, q.device, q.dtype)
   with (_X64(True) if p.x64 else _NO_X64):
     imp = rt.Importer(p.target)
@@ -129,6 +139,14 @@ def _bwd_impl(dout, dlse, q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, out, lse,
   """Runs the jitted backward. kept: the forward's JAX arrays (eager path:
   nothing but dout/dlse is imported); ds_tensor=False leaves a missing
   dsinks as None."""
+  if kept is None and _direct.eligible(static, q, k, q_seg, k_seg, cu_q):
+    dq, dk, dv, ds = _direct.plan(static, q, k, sinks).backward(
+        q, k, v, sinks, out, aux, dout, dlse)
+    if ds is not None:
+      ds = ds.to(sinks.dtype)
+    elif ds_tensor:
+      ds = q.new_empty((0,), dtype=torch.float32)
+    return dq, dk, dv, ds
   p = _plan(static, q.device, q.dtype)
   with (_X64(True) if p.x64 else _NO_X64):
     imp = rt.Importer(p.target)

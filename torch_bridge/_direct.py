@@ -1,0 +1,319 @@
+"""Dense attention on CUDA tensors without PJRT: the same Pallas kernels,
+launched by Triton on torch's current stream.
+
+The bridge's general path hands tensors to jit-compiled JAX functions
+through DLPack; each call then pays for the import, the stream hand-off, the
+XLA dispatch and the export (292 us per forward at B1 H16 S128 D128 on the
+H200, against 104 us for the JAX call alone and 30 us for the kernel
+launched directly: benchmarks/results/h200/triton-compare-2026-12-03). For
+dense attention (not varlen, no segment ids) this module launches the very
+kernels the JAX path runs, directly:
+
+1. Once per configuration and shape, the JAX function the general path
+   would call (`_jax_side._pallas_fwd` / `_pallas_bwd`) is traced and lowered
+   for CUDA, and the Triton IR that Pallas produces for each of its
+   `pallas_call`s is captured (forward: the flash kernel; backward: the
+   D_i preprocess, the dK/dV kernel and the dQ kernel).
+2. Each IR is compiled by the pip `triton` package (the compiler torch's
+   own Triton kernels use) with the kernel's warps and stages from the
+   shipped block table.
+3. Calls launch the compiled kernels on torch tensors, on torch's current
+   stream; what XLA did between the kernels (reshapes, the natural-log LSE,
+   zero-initialised accumulators, the sinks' gradient) is done in torch.
+
+So the tiling, masking and fixed-order reductions are those of the JAX
+path: outputs agree with it to rounding (a different compiler may contract
+floating-point operations differently) and every call gives the same bits.
+`FOLDAX_TORCH_LAUNCH=jax` turns this path off (everything through JAX and
+DLPack); without pip Triton, or for any other case, the general path runs.
+
+Kernel arguments are the `pallas_call`'s operands then its results, in
+order (an output aliased to an input is passed the same tensor); the
+number of pointers in each captured signature is checked against the
+arguments this module passes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import re
+import tempfile
+import threading
+
+import torch
+
+from torch_bridge import _runtime as rt
+
+LN2 = 0.6931471805599453
+LOG2E = 1.4426950408889634
+
+_lock = threading.Lock()
+_plans: dict = {}
+_KERNELS = ("fold_flash_forward", "fold_flash_backward_preprocess",
+            "fold_flash_backward_dkdv", "fold_flash_backward_dq")
+
+
+def enabled() -> bool:
+  """False when FOLDAX_TORCH_LAUNCH=jax or pip Triton is missing."""
+  mode = os.environ.get("FOLDAX_TORCH_LAUNCH", "direct")
+  if mode not in ("direct", "jax"):
+    raise ValueError("FOLDAX_TORCH_LAUNCH must be 'direct' or 'jax'; got "
+                     f"{mode!r}.")
+  if mode == "jax":
+    return False
+  return _triton_available()
+
+
+@functools.cache
+def _triton_available() -> bool:
+  try:
+    import triton  # noqa: F401
+    from triton.backends.compiler import GPUTarget  # noqa: F401
+  except Exception:  # noqa: BLE001
+    return False
+  return True
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+  b: int
+  sq: int
+  sk: int
+  hq: int
+  hkv: int
+  d: int
+  dtype: torch.dtype
+  has_sinks: bool
+
+
+def eligible(static, q, k, q_seg, k_seg, cu_q) -> bool:
+  """Whether a call can take the direct path (see the module docstring)."""
+  from pallas_kernels.flash.config import dq_mode, head_dim_bucket
+  backend, varlen = static[0], static[8]
+  return (backend == "pallas" and not varlen and cu_q is None and
+          q_seg is None and k_seg is None and q.is_cuda and
+          q.dtype in (torch.bfloat16, torch.float16, torch.float32) and
+          q.dim() == 4 and head_dim_bucket(q.shape[-1]) == q.shape[-1] and
+          dq_mode() == "recompute" and enabled())
+
+
+def plan(static, q, k, sinks) -> "DensePlan":
+  """The compiled kernels for this configuration and shape (cached)."""
+  shape = _Shape(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2],
+                 q.shape[3], q.dtype, sinks is not None)
+  key = (static, shape, q.device.index)
+  p = _plans.get(key)
+  if p is None:
+    with _lock:
+      p = _plans.get(key)
+      if p is None:
+        cc = torch.cuda.get_device_capability(q.device)
+        p = _plans[key] = DensePlan(static, shape, cc)
+        rt.announce("torch_bridge: dense attention on CUDA launches the "
+                    "Pallas kernels' Triton IR directly on torch's stream "
+                    "(FOLDAX_TORCH_LAUNCH=jax: through JAX and DLPack).")
+  return p
+
+
+# ----------------------------------------------------------------------------
+# Capturing and compiling
+# ----------------------------------------------------------------------------
+
+def capture_triton_ir(fn, args) -> dict:
+  """{kernel name: (Triton IR text, grid)} of the pallas_calls in fn(*args),
+  lowered for CUDA (fn: a jitted JAX function; args: ShapeDtypeStructs)."""
+  from jax._src.pallas.triton import lowering
+  from jax._src.pallas.triton.pallas_call_registration import normalize_grid
+  got = {}
+  orig = lowering.lower_jaxpr_to_triton_module
+
+  def capture(*a, **kw):
+    r = orig(*a, **kw)
+    text = r.module.operation.get_asm(enable_debug_info=False)
+    m = re.search(r"tt\.func public @([\w$.]+)\(", text)
+    got[m.group(1) if m else f"kernel{len(got)}"] = (
+        text, normalize_grid(r.grid))
+    return r
+
+  with _lock_capture:
+    lowering.lower_jaxpr_to_triton_module = capture
+    try:
+      fn.trace(*args).lower(lowering_platforms=("cuda",))
+    finally:
+      lowering.lower_jaxpr_to_triton_module = orig
+  return got
+
+
+_lock_capture = threading.Lock()
+
+
+def pointer_count(ttir: str) -> int:
+  """Pointer parameters of the kernel's signature."""
+  m = re.search(r"tt\.func public @[\w$.]+\((.*?)\)\s*(attributes|\{)",
+                ttir, re.S)
+  return len(re.findall(r"!tt\.ptr<", m.group(1))) if m else -1
+
+
+@functools.cache
+def _ir_dir() -> str:
+  return tempfile.mkdtemp(prefix="foldax_ttir_")
+
+
+def compile_ir(name: str, ttir: str, num_warps: int, num_stages: int,
+               cc: tuple[int, int]):
+  """pip Triton's compile of one captured kernel for compute capability cc
+  (cached on disk by Triton, keyed on the IR's hash)."""
+  import hashlib
+  import triton
+  from triton.backends.compiler import GPUTarget
+  digest = hashlib.sha256(ttir.encode()).hexdigest()[:16]
+  path = os.path.join(_ir_dir(), f"{name}_{digest}.ttir")
+  if not os.path.exists(path):
+    with open(path, "w") as f:
+      f.write(ttir)
+  return triton.compile(path, target=GPUTarget("cuda", cc[0] * 10 + cc[1],
+                                               32),
+                        options=dict(num_warps=num_warps,
+                                     num_stages=num_stages))
+
+
+def _sds(shape, dtype):
+  import jax
+  return jax.ShapeDtypeStruct(tuple(shape), dtype)
+
+
+def _jax_dtype(dtype: torch.dtype):
+  import jax.numpy as jnp
+  return {torch.bfloat16: jnp.bfloat16, torch.float16: jnp.float16,
+          torch.float32: jnp.float32}[dtype]
+
+
+class DensePlan:
+  """The four kernels of one dense configuration and shape, compiled, and
+  the torch glue around them. Tensors: q [b, sq, hq, d], k, v [b, sk, hkv,
+  d] (contiguous), sinks [hq] or None; aux: the kernel's base-2 LSE
+  float32 [hq, b * sq] (+inf on rows that saw nothing)."""
+
+  def __init__(self, static, shape: _Shape, cc, *, compile_kernels=True):
+    import jax.numpy as jnp
+    from jax_api import dense as _dense
+    from pallas_kernels.flash import _preprocess
+    import jax
+    from torch_bridge import _jax_side
+    from torch_bridge.attention import _cfg
+    s = shape
+    self.shape = s
+    cfg = _cfg(*static)
+    dt = _jax_dtype(s.dtype)
+    f32 = jnp.float32
+    q = _sds((s.b, s.sq, s.hq, s.d), dt)
+    kv = _sds((s.b, s.sk, s.hkv, s.d), dt)
+    sinks = _sds((s.hq,), f32) if s.has_sinks else None
+    # Fresh jit wrappers: a function lowered before (by the general path)
+    # would come from JAX's lowering cache without running Pallas' lowering.
+    fwd_ir = capture_triton_ir(jax.jit(functools.partial(_jax_side._pallas_fwd,
+                                                         cfg)),
+                               (q, kv, kv, sinks, None, None, None, None))
+    lse = _sds((s.b, s.hq, s.sq), f32)
+    aux = _sds((s.hq, s.b * s.sq), f32)
+    bwd_ir = capture_triton_ir(
+        jax.jit(functools.partial(_jax_side._pallas_bwd, cfg)), (q, kv, kv, sinks, None, None, None, None, q, lse,
+                           aux, q, lse))
+    irs = {**fwd_ir, **bwd_ir}
+    missing = [n for n in _KERNELS if n not in irs]
+    if missing:
+      raise RuntimeError(f"torch_bridge: no Triton IR captured for {missing}")
+    fwd_b, bwd_b, _ = _dense._kernel_plan(s.d, dt, False)
+    dqb = bwd_b.dq_blocks
+    pre = _preprocess._params(s.d)
+    launch = {
+        "fold_flash_forward": (fwd_b.num_warps, fwd_b.num_stages),
+        "fold_flash_backward_preprocess": (pre.num_warps, pre.num_stages),
+        "fold_flash_backward_dkdv": (bwd_b.num_warps, bwd_b.num_stages),
+        "fold_flash_backward_dq": (dqb.num_warps, dqb.num_stages),
+    }
+    n_ptrs = {"fold_flash_forward": 7 + int(s.has_sinks),
+              "fold_flash_backward_preprocess": 6,
+              "fold_flash_backward_dkdv": 10,
+              "fold_flash_backward_dq": 9}
+    self.grids = {}
+    self.kernels = {}
+    self.ir = {}
+    for name in _KERNELS:
+      ttir, grid = irs[name]
+      got = pointer_count(ttir)
+      if got != n_ptrs[name]:
+        raise RuntimeError(f"torch_bridge: {name} takes {got} pointers; the "
+                           f"direct launch passes {n_ptrs[name]}")
+      self.ir[name] = ttir
+      self.grids[name] = grid
+      if compile_kernels:
+        self.kernels[name] = compile_ir(name, ttir, *launch[name], cc)
+    self._cu_cache = {}
+
+  def _cu(self, device):
+    """cu_seqlens of the dense batch (made once per device, read only)."""
+    cu = self._cu_cache.get(device)
+    if cu is None:
+      s = self.shape
+      r = torch.arange(s.b + 1, device=device, dtype=torch.int32)
+      cu = self._cu_cache[device] = (r * s.sq, r * s.sk)
+    return cu
+
+  def _launch(self, name, *args):
+    self.kernels[name][self.grids[name]](*args)
+
+  def forward(self, q, k, v, sinks, need_lse: bool = True):
+    """(out [b, sq, hq, d], lse float32 [b, hq, sq] or None, aux)."""
+    s = self.shape
+    with torch.cuda.device(q.device):
+      cu_q, cu_k = self._cu(q.device)
+      out = torch.empty_like(q, memory_format=torch.contiguous_format)
+      aux = torch.empty((s.hq, s.b * s.sq), device=q.device,
+                        dtype=torch.float32)
+      q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+      args = [cu_q, cu_k, q, k, v]
+      if sinks is not None:
+        args.append(sinks.detach().float().contiguous())
+      self._launch("fold_flash_forward", *args, out, aux)
+    lse = None
+    if need_lse:
+      lse = torch.where(aux == float("inf"), float("-inf"), aux * LN2)
+      lse = lse.view(s.hq, s.b, s.sq).transpose(0, 1).contiguous()
+    return out, lse, aux
+
+  def backward(self, q, k, v, sinks, out, aux, dout, dlse):
+    """(dq, dk, dv, dsinks float32 [hq] or None)."""
+    s = self.shape
+    total_q = s.b * s.sq
+    dev = q.device
+    with torch.cuda.device(dev):
+      cu_q, cu_k = self._cu(dev)
+      q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+      dout = dout.to(q.dtype).contiguous()
+      if dlse is None:
+        dlse_rows = torch.zeros((s.hq, total_q), device=dev,
+                                dtype=torch.float32)
+      else:
+        dlse_rows = dlse.float().transpose(0, 1).reshape(s.hq, total_q)
+        dlse_rows = torch.where(torch.isfinite(dlse_rows), dlse_rows, 0.0)
+        dlse_rows = dlse_rows.contiguous()
+      delta = torch.zeros((s.hq, total_q), device=dev, dtype=torch.float32)
+      self._launch("fold_flash_backward_preprocess", cu_q, out, dout,
+                   dlse_rows, delta, delta)
+      dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+      dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+      dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+      # grouped views: [total, hkv, group, d] and [hkv, group, total] are
+      # the same memory as [total, hq, d] and [hq, total].
+      self._launch("fold_flash_backward_dkdv", cu_q, cu_k, q, k, v, dout,
+                   aux, delta, dk, dv)
+      self._launch("fold_flash_backward_dq", cu_q, cu_k, q, k, v, dout, aux,
+                   delta, dq)
+      dsinks = None
+      if sinks is not None:
+        p_sink = torch.exp2(sinks.detach().float()[:, None] * LOG2E - aux)
+        dsinks = -(p_sink * delta).sum(dim=1)
+    return dq, dk, dv, dsinks
