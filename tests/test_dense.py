@@ -413,3 +413,22 @@ def test_block_table_override(tmp_path, monkeypatch):
   assert block_sizes_for(compute_capability=(9, 0), head_dim=128,
                          dtype=jnp.bfloat16, mode="fwd",
                          interpret=False) != got
+
+
+def test_block_table_per_compiler():
+  """Inside compiled_by("triton") the pip-Triton entries replace XLA's (the
+  torch bridge's direct launch); outside, and for other keys, XLA's hold."""
+  from pallas_kernels.flash.config import (BlockSizes, block_sizes_for,
+                                           compiled_by)
+  kw = dict(compute_capability=(9, 0), dtype=jnp.bfloat16, interpret=False)
+  xla_fwd = block_sizes_for(head_dim=128, mode="fwd", **kw)
+  xla_bwd = block_sizes_for(head_dim=128, mode="bwd", **kw)
+  with compiled_by("triton"):
+    assert block_sizes_for(head_dim=128, mode="fwd",
+                           **kw) == BlockSizes(128, 128, 8, 3)
+    assert block_sizes_for(head_dim=128, mode="bwd", **kw) == xla_bwd
+  assert block_sizes_for(head_dim=128, mode="fwd", **kw) == xla_fwd
+  assert xla_fwd != BlockSizes(128, 128, 8, 3)
+  with pytest.raises(ValueError, match="compiler"):
+    with compiled_by("nvcc"):
+      pass

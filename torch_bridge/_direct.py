@@ -16,13 +16,16 @@ kernels the JAX path runs, directly:
    D_i preprocess, the dK/dV kernel and the dQ kernel).
 2. Each IR is compiled by the pip `triton` package (the compiler torch's
    own Triton kernels use) with the kernel's warps and stages from the
-   shipped block table.
+   shipped block table; both steps run inside
+   `pallas_kernels.flash.config.compiled_by("triton")`, whose entries
+   replace XLA's where the two compilers favour different tiles.
 3. Calls launch the compiled kernels on torch tensors, on torch's current
    stream; what XLA did between the kernels (reshapes, the natural-log LSE,
    zero-initialised accumulators, the sinks' gradient) is done in torch.
 
-So the tiling, masking and fixed-order reductions are those of the JAX
-path: outputs agree with it to rounding (a different compiler may contract
+So the kernel source, masking and fixed-order reductions are those of the
+JAX path (the tiles too, except where the Triton table differs): outputs
+agree with it to rounding (a different compiler may contract
 floating-point operations differently) and every call gives the same bits.
 `FOLDAX_TORCH_LAUNCH=jax` turns this path off (everything through JAX and
 DLPack); without pip Triton, or for any other case, the general path runs.
@@ -197,31 +200,36 @@ class DensePlan:
   float32 [hq, b * sq] (+inf on rows that saw nothing)."""
 
   def __init__(self, static, shape: _Shape, cc, *, compile_kernels=True):
+    from pallas_kernels.flash.config import compiled_by
+    from torch_bridge.attention import _cfg
+    self.shape = shape
+    self.grids = {}
+    self.kernels = {}
+    self.ir = {}
+    self._cu_cache = {}
+    with compiled_by("triton"):  # pip Triton's block table (see config)
+      self._capture_and_compile(_cfg(*static), shape, cc, compile_kernels)
+
+  def _capture_and_compile(self, cfg, s: _Shape, cc, compile_kernels):
+    import jax
     import jax.numpy as jnp
     from jax_api import dense as _dense
     from pallas_kernels.flash import _preprocess
-    import jax
     from torch_bridge import _jax_side
-    from torch_bridge.attention import _cfg
-    s = shape
-    self.shape = s
-    cfg = _cfg(*static)
     dt = _jax_dtype(s.dtype)
     f32 = jnp.float32
     q = _sds((s.b, s.sq, s.hq, s.d), dt)
     kv = _sds((s.b, s.sk, s.hkv, s.d), dt)
     sinks = _sds((s.hq,), f32) if s.has_sinks else None
-    # Fresh jit wrappers: a function lowered before (by the general path)
-    # would come from JAX's lowering cache without running Pallas' lowering.
-    fwd_ir = capture_triton_ir(jax.jit(functools.partial(_jax_side._pallas_fwd,
-                                                         cfg)),
-                               (q, kv, kv, sinks, None, None, None, None))
     lse = _sds((s.b, s.hq, s.sq), f32)
     aux = _sds((s.hq, s.b * s.sq), f32)
-    bwd_ir = capture_triton_ir(
-        jax.jit(functools.partial(_jax_side._pallas_bwd, cfg)), (q, kv, kv, sinks, None, None, None, None, q, lse,
-                           aux, q, lse))
-    irs = {**fwd_ir, **bwd_ir}
+    # Fresh jit wrappers: a function lowered before (by the general path)
+    # would come from JAX's lowering cache without running Pallas' lowering.
+    fwd = jax.jit(functools.partial(_jax_side._pallas_fwd, cfg))
+    bwd = jax.jit(functools.partial(_jax_side._pallas_bwd, cfg))
+    irs = capture_triton_ir(fwd, (q, kv, kv, sinks, None, None, None, None))
+    irs.update(capture_triton_ir(bwd, (q, kv, kv, sinks, None, None, None,
+                                       None, q, lse, aux, q, lse)))
     missing = [n for n in _KERNELS if n not in irs]
     if missing:
       raise RuntimeError(f"torch_bridge: no Triton IR captured for {missing}")
@@ -238,9 +246,7 @@ class DensePlan:
               "fold_flash_backward_preprocess": 6,
               "fold_flash_backward_dkdv": 10,
               "fold_flash_backward_dq": 9}
-    self.grids = {}
-    self.kernels = {}
-    self.ir = {}
+    self.blocks = {"fwd": fwd_b, "bwd": bwd_b, "dq": dqb}
     for name in _KERNELS:
       ttir, grid = irs[name]
       got = pointer_count(ttir)
@@ -251,7 +257,6 @@ class DensePlan:
       self.grids[name] = grid
       if compile_kernels:
         self.kernels[name] = compile_ir(name, ttir, *launch[name], cc)
-    self._cu_cache = {}
 
   def _cu(self, device):
     """cu_seqlens of the dense batch (made once per device, read only)."""

@@ -9,6 +9,8 @@ gives the same bits alone, in a padded batch, or packed with others.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import json
 import os
@@ -91,6 +93,33 @@ _TABLE: dict[tuple[int, int, int, str], BlockSizes] = {
     (9, 128, 4, "bwd_atomic"): BlockSizes(32, 64, 4, 1),
     (9, 256, 4, "bwd_atomic"): BlockSizes(16, 32, 4, 1),
 }
+# Entries for kernels compiled by the pip `triton` package instead of XLA
+# (the torch bridge's direct launch, torch_bridge/_direct.py). The same
+# Triton IR gets different register allocation from the two compilers: on
+# the H200 the 4-warp 128x64 forward spills under pip Triton (2.38 ms at B2
+# H16 S8192 D128 causal) while 128x128 tiles with 8 warps and 3 stages run
+# 1.30 ms there (1.65 ms under XLA); benchmarks/results/h200/
+# triton-compare-2026-12-03. Looked up only inside `compiled_by("triton")`.
+_TRITON_TABLE: dict[tuple[int, int, int, str], BlockSizes] = {
+    (9, 128, 2, "fwd"): BlockSizes(128, 128, 8, 3),
+}
+_compiler: contextvars.ContextVar[str] = contextvars.ContextVar(
+    "foldax_kernel_compiler", default="xla")
+
+
+@contextlib.contextmanager
+def compiled_by(compiler: Literal["xla", "triton"]):
+  """Block sizes looked up inside this context are for kernels compiled by
+  `compiler`: "xla" (jax.jit, the default) or "triton" (pip Triton)."""
+  if compiler not in ("xla", "triton"):
+    raise ValueError(f"compiler must be 'xla' or 'triton'; got {compiler!r}.")
+  token = _compiler.set(compiler)
+  try:
+    yield
+  finally:
+    _compiler.reset(token)
+
+
 # Ampere and others: smaller shared memory than Hopper.
 _FALLBACK = {
     (64, 2, "fwd"): BlockSizes(128, 64, 4, 2),
@@ -149,6 +178,8 @@ def _lookup(override, major, d, itemsize, mode):
   key = (major, d, itemsize, mode)
   if key in override:
     return override[key]
+  if _compiler.get() == "triton" and key in _TRITON_TABLE:
+    return _TRITON_TABLE[key]
   return _TABLE.get(key)
 
 
