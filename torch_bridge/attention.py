@@ -139,7 +139,8 @@ def _bwd_impl(dout, dlse, q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, out, lse,
   """Runs the jitted backward. kept: the forward's JAX arrays (eager path:
   nothing but dout/dlse is imported); ds_tensor=False leaves a missing
   dsinks as None."""
-  if kept is None and _direct.eligible(static, q, k, q_seg, k_seg, cu_q):
+  if (kept is None and aux is not None and aux.numel() and
+      _direct.eligible(static, q, k, q_seg, k_seg, cu_q)):
     dq, dk, dv, ds = _direct.plan(static, q, k, sinks).backward(
         q, k, v, sinks, out, aux, dout, dlse)
     if ds is not None:
