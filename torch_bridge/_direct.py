@@ -1,5 +1,6 @@
-"""Dense attention on CUDA tensors without PJRT: the same Pallas kernels,
-launched by Triton on torch's current stream.
+"""Attention on CUDA tensors without PJRT: the same Pallas kernels,
+launched by Triton on torch's current stream (dense attention forward and
+backward; DeBERTa's disentangled attention forward, for inference).
 
 The bridge's general path hands tensors to jit-compiled JAX functions
 through DLPack; each call then pays for the import, the stream hand-off, the
@@ -22,6 +23,11 @@ kernels the JAX path runs, directly:
 3. Calls launch the compiled kernels on torch tensors, on torch's current
    stream; what XLA did between the kernels (reshapes, the natural-log LSE,
    zero-initialised accumulators, the sinks' gradient) is done in torch.
+
+The DeBERTa forward (no dropout, not packed) captures the position-table
+GEMM and the disentangled forward kernel of `jax_api.deberta`'s Pallas path
+the same way (`DebertaPlan`); its backward still goes through JAX (the VJP
+recomputes the forward it differentiates).
 
 So the kernel source, masking and fixed-order reductions are those of the
 JAX path (the tiles too, except where the Triton table differs): outputs
@@ -124,20 +130,22 @@ def plan(static, q, k, sinks) -> "DensePlan":
 # Capturing and compiling
 # ----------------------------------------------------------------------------
 
-def capture_triton_ir(fn, args) -> dict:
-  """{kernel name: (Triton IR text, grid)} of the pallas_calls in fn(*args),
-  lowered for CUDA (fn: a jitted JAX function; args: ShapeDtypeStructs)."""
+def capture_triton_ir(fn, args) -> list:
+  """[(kernel name, Triton IR text, grid)] of the pallas_calls in fn(*args),
+  in call order, lowered for CUDA (fn: a fresh jitted JAX function, since a
+  function lowered before may come from JAX's cache without running Pallas'
+  lowering; args: ShapeDtypeStructs or None)."""
   from jax._src.pallas.triton import lowering
   from jax._src.pallas.triton.pallas_call_registration import normalize_grid
-  got = {}
+  got = []
   orig = lowering.lower_jaxpr_to_triton_module
 
   def capture(*a, **kw):
     r = orig(*a, **kw)
     text = r.module.operation.get_asm(enable_debug_info=False)
     m = re.search(r"tt\.func public @([\w$.]+)\(", text)
-    got[m.group(1) if m else f"kernel{len(got)}"] = (
-        text, normalize_grid(r.grid))
+    got.append((m.group(1) if m else f"kernel{len(got)}", text,
+                normalize_grid(r.grid)))
     return r
 
   with _lock_capture:
@@ -227,9 +235,10 @@ class DensePlan:
     # would come from JAX's lowering cache without running Pallas' lowering.
     fwd = jax.jit(functools.partial(_jax_side._pallas_fwd, cfg))
     bwd = jax.jit(functools.partial(_jax_side._pallas_bwd, cfg))
-    irs = capture_triton_ir(fwd, (q, kv, kv, sinks, None, None, None, None))
-    irs.update(capture_triton_ir(bwd, (q, kv, kv, sinks, None, None, None,
-                                       None, q, lse, aux, q, lse)))
+    irs = {name: (ir, grid) for name, ir, grid in capture_triton_ir(
+        fwd, (q, kv, kv, sinks, None, None, None, None)) + capture_triton_ir(
+            bwd, (q, kv, kv, sinks, None, None, None, None, q, lse, aux, q,
+                  lse))}
     missing = [n for n in _KERNELS if n not in irs]
     if missing:
       raise RuntimeError(f"torch_bridge: no Triton IR captured for {missing}")
@@ -322,3 +331,140 @@ class DensePlan:
         p_sink = torch.exp2(sinks.detach().float()[:, None] * LOG2E - aux)
         dsinks = -(p_sink * delta).sum(dim=1)
     return dq, dk, dv, dsinks
+
+
+# ----------------------------------------------------------------------------
+# DeBERTa disentangled attention, inference forward
+# ----------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _DebertaShape:
+  b: int
+  s: int
+  h: int
+  d: int
+  dtype: torch.dtype
+  has_mask: bool
+  pos_rows: int  # rows of pos_key / pos_query as given (>= 2*att_span)
+
+
+def deberta_eligible(cfg, q, cu, seed) -> bool:
+  """The DeBERTa forward can take the direct path: dense [b, s, h, d] CUDA
+  tensors on the Pallas backend, no dropout (its seed), not packed."""
+  return (cfg.backend == "pallas" and cu is None and seed is None and
+          cfg.dropout_rate == 0.0 and q.is_cuda and q.dim() == 4 and
+          q.dtype in (torch.bfloat16, torch.float16, torch.float32) and
+          enabled())
+
+
+def deberta_plan(cfg, q, pk, pq, mask) -> "DebertaPlan":
+  pos = pk if pk is not None else pq
+  shape = _DebertaShape(q.shape[0], q.shape[1], q.shape[2], q.shape[3],
+                        q.dtype, mask is not None,
+                        pos.shape[0] if pos is not None else 0)
+  key = ("deberta", cfg, shape, q.device.index)
+  p = _plans.get(key)
+  if p is None:
+    with _lock:
+      p = _plans.get(key)
+      if p is None:
+        cc = torch.cuda.get_device_capability(q.device)
+        p = _plans[key] = DebertaPlan(cfg, shape, cc)
+        rt.announce("torch_bridge: DeBERTa attention on CUDA (inference, no "
+                    "dropout) launches the Pallas kernels' Triton IR "
+                    "directly on torch's stream (FOLDAX_TORCH_LAUNCH=jax: "
+                    "through JAX and DLPack).")
+  return p
+
+
+class DebertaPlan:
+  """The position-table GEMM and the disentangled forward kernel of one
+  DeBERTa configuration and shape, compiled, and the torch glue around them
+  (what `jax_api.deberta.disentangled_attention` does in XLA on its Pallas
+  path: flatten [b, s] to tokens, cut the position projections to 2*span
+  rows, the int32 token mask). q, k, v: [b, s, h, d]; pos_key, pos_query:
+  [>= 2*span, h, d]; mask: int [b, s] or None."""
+
+  def __init__(self, cfg, shape: _DebertaShape, cc, *,
+               compile_kernels: bool = True):
+    import jax
+    import jax.numpy as jnp
+    from pallas_kernels.deberta._geometry import geometry
+    from pallas_kernels.deberta.config import blocks_for
+    from torch_bridge import deberta as tdb
+    s = shape
+    self.cfg, self.shape = cfg, s
+    dt = _jax_dtype(s.dtype)
+    geo = geometry(cfg.position_buckets, cfg.max_relative_positions)
+    self.slots = 2 * geo.span
+    self._slot_table = geo.slot_table()
+    x = _sds((s.b, s.s, s.h, s.d), dt)
+    pos = _sds((s.pos_rows, s.h, s.d), dt)
+    mask = _sds((s.b, s.s), jnp.int32) if s.has_mask else None
+    fn = jax.jit(functools.partial(tdb._jax_attention, cfg))
+    got = capture_triton_ir(fn, (x, x, x, pos if cfg.c2p else None,
+                                 pos if cfg.p2c else None, mask, None, None))
+    # Identical pallas_calls (the c2p and p2c tables: one kernel on
+    # same-shaped operands) may be lowered once.
+    names = list(dict.fromkeys(n for n, _, _ in got))
+    want = (["fold_deberta_position_table"] if cfg.c2p or cfg.p2c else []
+            ) + ["fold_deberta_forward"]
+    if names != want:
+      raise RuntimeError(f"torch_bridge: captured {names}; expected {want}")
+    blocks = blocks_for(head_dim=s.d, dtype=dt, interpret=False,
+                        compute_capability=cc)
+    n_fwd = 2 + int(s.has_mask) + 3 + int(cfg.c2p) + int(cfg.p2c) + 2
+    self.ir, self.grids, self.kernels = {}, {}, {}
+    for name, ttir, grid in got:
+      # The c2p and p2c tables are one kernel on same-shaped operands.
+      if name in self.ir:
+        if ttir != self.ir[name] or grid != self.grids[name]:
+          raise RuntimeError("torch_bridge: the two position tables differ")
+        continue
+      b = blocks.table if name == "fold_deberta_position_table" else \
+          blocks.fwd
+      need = 3 if name == "fold_deberta_position_table" else n_fwd
+      if pointer_count(ttir) != need:
+        raise RuntimeError(f"torch_bridge: {name} takes "
+                           f"{pointer_count(ttir)} pointers; the direct "
+                           f"launch passes {need}")
+      self.ir[name], self.grids[name] = ttir, grid
+      if compile_kernels:
+        self.kernels[name] = compile_ir(name, ttir, b.num_warps,
+                                        b.num_stages, cc)
+    self._consts = {}
+
+  def _device_consts(self, device):
+    c = self._consts.get(device)
+    if c is None:
+      s = self.shape
+      cu = torch.arange(s.b + 1, device=device, dtype=torch.int32) * s.s
+      slot = torch.as_tensor(self._slot_table, dtype=torch.int32).to(device)
+      c = self._consts[device] = (cu, slot)
+    return c
+
+  def _launch(self, name, *args):
+    self.kernels[name][self.grids[name]](*args)
+
+  def forward(self, q, k, v, pk, pq, mask):
+    """out [b, s, h, d] in q's dtype."""
+    s = self.shape
+    total = s.b * s.s
+    with torch.cuda.device(q.device):
+      cu, slot = self._device_consts(q.device)
+      qf, kf, vf = (x.contiguous().view(total, s.h, s.d) for x in (q, k, v))
+      args = [cu, slot]
+      if mask is not None:
+        args.append((mask != 0).to(torch.int32).reshape(-1).contiguous())
+      args += [qf, kf, vf]
+      for on, x, pos in ((self.cfg.c2p, qf, pk), (self.cfg.p2c, kf, pq)):
+        if on:
+          table = torch.empty((total, s.h, self.slots), device=q.device,
+                              dtype=q.dtype)
+          pos = pos[: self.slots].to(q.dtype).contiguous()
+          self._launch("fold_deberta_position_table", x, pos, table)
+          args.append(table)
+      out = torch.empty_like(qf)
+      lse2 = torch.empty((s.h, total), device=q.device, dtype=torch.float32)
+      self._launch("fold_deberta_forward", *args, out, lse2)
+    return out.view(s.b, s.s, s.h, s.d)

@@ -34,6 +34,10 @@ inside the kernel from a seed drawn from torch's generator on each call (so
 `torch.manual_seed` makes runs repeatable); the mask is regenerated in the
 backward, never stored.
 
+Direct launch: on CUDA, an inference forward (no dropout, not packed)
+launches the Pallas kernels' Triton IR on torch's stream instead
+(`torch_bridge._direct.DebertaPlan`; FOLDAX_TORCH_LAUNCH=jax turns it off).
+
 Backward: the JAX VJP of `disentangled_attention` (jitted, per static
 configuration) recomputes the forward it differentiates: one extra forward
 per backward, the price of not depending on the kernel's private residual
@@ -51,6 +55,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from torch_bridge import _direct
 from torch_bridge import _runtime as rt
 from torch_bridge.attention import resolve_backend
 
@@ -126,6 +131,9 @@ def _static(backend, position_buckets, max_relative_positions, c2p, p2c,
 
 
 def _fwd_impl(q, k, v, pk, pq, mask, cu, seed, cfg: DebertaConfig):
+  if _direct.deberta_eligible(cfg, q, cu, seed):
+    return _direct.deberta_plan(cfg, q, pk, pq, mask).forward(q, k, v, pk, pq,
+                                                              mask)
   target = rt.target_for(q.device, q.dtype, cfg.backend)
   imp = rt.Importer(target)
   out = _forward_fn(cfg)(imp(q), imp(k), imp(v), imp(pk), imp(pq), imp(mask),
