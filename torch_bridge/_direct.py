@@ -24,7 +24,8 @@ kernels the JAX path runs, directly:
    stream; what XLA did between the kernels (reshapes, the natural-log LSE,
    zero-initialised accumulators, the sinks' gradient) is done in torch.
 
-The DeBERTa forward (no dropout, not packed) captures the position-table
+The DeBERTa forward (opt-in: FOLDAX_TORCH_DIRECT_DEBERTA=1; no dropout, not
+packed) captures the position-table
 GEMM and the disentangled forward kernel of `jax_api.deberta`'s Pallas path
 the same way (`DebertaPlan`); its backward still goes through JAX (the VJP
 recomputes the forward it differentiates).
@@ -351,7 +352,9 @@ class _DebertaShape:
 def deberta_eligible(cfg, q, cu, seed) -> bool:
   """The DeBERTa forward can take the direct path: dense [b, s, h, d] CUDA
   tensors on the Pallas backend, no dropout (its seed), not packed."""
-  return (cfg.backend == "pallas" and cu is None and seed is None and
+  # Opt-in (FOLDAX_TORCH_DIRECT_DEBERTA=1) until its GPU test has run.
+  return (os.environ.get("FOLDAX_TORCH_DIRECT_DEBERTA", "0") == "1" and
+          cfg.backend == "pallas" and cu is None and seed is None and
           cfg.dropout_rate == 0.0 and q.is_cuda and q.dim() == 4 and
           q.dtype in (torch.bfloat16, torch.float16, torch.float32) and
           enabled())
