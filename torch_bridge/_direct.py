@@ -25,10 +25,10 @@ kernels the JAX path runs, directly:
    zero-initialised accumulators, the sinks' gradient) is done in torch.
 
 The DeBERTa forward (opt-in: FOLDAX_TORCH_DIRECT_DEBERTA=1; no dropout, not
-packed) captures the position-table
-GEMM and the disentangled forward kernel of `jax_api.deberta`'s Pallas path
-the same way (`DebertaPlan`); its backward still goes through JAX (the VJP
-recomputes the forward it differentiates).
+packed) captures the position-table GEMM and the disentangled forward
+kernel of `jax_api.deberta`'s Pallas path the same way (`DebertaPlan`); its
+backward still goes through JAX (the VJP recomputes the forward it
+differentiates).
 
 So the kernel source, masking and fixed-order reductions are those of the
 JAX path (the tiles too, except where the Triton table differs): outputs
