@@ -4,6 +4,7 @@
     python -m torch_bridge.bench --seq 128 --iters 500 --dtype bfloat16
     python -m torch_bridge.bench --seq 128 --phases   # + fwd+bwd breakdown
     python -m torch_bridge.bench --seq 4096 --pipeline  # which step blocks
+    python -m torch_bridge.bench --seq 128 --direct-phases  # direct launch
 
 "JAX alone" calls the very jitted function the bridge calls, on JAX arrays
 that already live on the device (what a JAX user pays); "bridge" calls
@@ -19,7 +20,9 @@ stream hand-off) are timed alone as well.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import time
 
@@ -50,7 +53,7 @@ def _median_us(fn, iters, device, warmup=10):
 
 def overhead(batch=1, heads=16, seq=128, head_dim=128, dtype=None,
              device=None, iters=200, causal=True, phases=False,
-             pipeline=False) -> dict:
+             pipeline=False, direct_phases=False) -> dict:
   import jax
   if device is None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -107,10 +110,15 @@ def overhead(batch=1, heads=16, seq=128, head_dim=128, dtype=None,
   r["bridge_fwd_bwd_us"] = _median_us(bridge_fwd_bwd, iters, device)
   r["import3_us"] = _median_us(import_only, iters, device)
   r["export2_us"] = _median_us(export_only, iters, device)
+  if direct_phases:
+    r.update(_direct_phases(q, k, v, do, qg, kg, vg, static, iters, device,
+                            bridge_fwd_bwd))
   if phases:
-    r.update(_host_steps(plan, target, q, out_j, static, iters, device))
-    r.update(_phases(plan, target, q, k, v, do, qg, kg, vg, doj, static,
-                     causal, iters, device, bridge_fwd_bwd))
+    # The JAX path's steps: the direct launch (dense on CUDA) is off here.
+    with _launch_mode("jax"):
+      r.update(_host_steps(plan, target, q, out_j, static, iters, device))
+      r.update(_phases(plan, target, q, k, v, do, qg, kg, vg, doj, static,
+                       causal, iters, device, bridge_fwd_bwd))
   if pipeline:
     r.update(_pipeline(plan, target, q, k, v, qg, kg, vg, do, static, causal,
                        iters, device))
@@ -118,6 +126,62 @@ def overhead(batch=1, heads=16, seq=128, head_dim=128, dtype=None,
   r["overhead_fwd_bwd_us"] = r["bridge_fwd_bwd_us"] - r["jax_fwd_bwd_us"]
   r["ratio_fwd"] = r["bridge_fwd_us"] / r["jax_fwd_us"]
   r["ratio_fwd_bwd"] = r["bridge_fwd_bwd_us"] / r["jax_fwd_bwd_us"]
+  return r
+
+
+@contextlib.contextmanager
+def _launch_mode(mode: str):
+  old = os.environ.get("FOLDAX_TORCH_LAUNCH")
+  os.environ["FOLDAX_TORCH_LAUNCH"] = mode
+  try:
+    yield
+  finally:
+    if old is None:
+      del os.environ["FOLDAX_TORCH_LAUNCH"]
+    else:
+      os.environ["FOLDAX_TORCH_LAUNCH"] = old
+
+
+class _Identity(torch.autograd.Function):
+  """A custom Function that does nothing: what autograd alone costs."""
+
+  @staticmethod
+  def forward(ctx, x):
+    return x.view_as(x)
+
+  @staticmethod
+  def backward(ctx, g):
+    return g
+
+
+def _direct_phases(q, k, v, do, qg, kg, vg, static, iters, device,
+                   bridge_fwd_bwd) -> dict:
+  """Where a direct-launch forward+backward's time goes (--direct-phases):
+  the forward and the backward body called alone (no autograd), and
+  `torch.autograd.grad` through a custom Function that does nothing, on
+  tensors of the same shape."""
+  from torch_bridge import _direct
+  r = {}
+  if not _direct.eligible(static, q, k, None, None, None):
+    r["direct"] = "not eligible (CPU tensors, varlen, or switched off)"
+    return r
+  plan = _direct.plan(static, q, k, None)
+  out, _, aux = plan.forward(q, k, v, None, need_lse=False)
+  r["direct_fwd_us"] = _median_us(
+      lambda: plan.forward(q, k, v, None, need_lse=False), iters, device)
+  r["direct_fwd_lse_us"] = _median_us(
+      lambda: plan.forward(q, k, v, None, need_lse=True), iters, device)
+  r["direct_bwd_body_us"] = _median_us(
+      lambda: plan.backward(q, k, v, None, out, aux, do, None), iters,
+      device)
+  r["autograd_noop_us"] = _median_us(
+      lambda: torch.autograd.grad(_Identity.apply(qg), (qg,), do), iters,
+      device)
+  r["autograd_noop3_us"] = _median_us(
+      lambda: torch.autograd.grad(
+          _Identity.apply(qg) + _Identity.apply(kg) + _Identity.apply(vg),
+          (qg, kg, vg), do), iters, device)
+  r["bridge_fwd_bwd_again_us"] = _median_us(bridge_fwd_bwd, iters, device)
   return r
 
 
@@ -316,11 +380,14 @@ def main(argv=None):
                  help="also time the parts of a forward+backward")
   p.add_argument("--pipeline", action="store_true",
                  help="also find which step of a call waits for the GPU")
+  p.add_argument("--direct-phases", action="store_true",
+                 help="also time the parts of a direct-launch call")
   a = p.parse_args(argv)
   dtype = getattr(torch, a.dtype) if a.dtype else None
   for s in a.seq:
     r = overhead(a.batch, a.heads, s, a.head_dim, dtype, a.device, a.iters,
-                 phases=a.phases, pipeline=a.pipeline)
+                 phases=a.phases, pipeline=a.pipeline,
+                 direct_phases=a.direct_phases)
     print(json.dumps({k: (round(v, 1) if isinstance(v, float) else v)
                       for k, v in r.items()}))
 
