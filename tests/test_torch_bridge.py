@@ -764,6 +764,8 @@ def test_direct_launch_captures_every_kernel(monkeypatch, has_sinks,
   shape = _direct._Shape(2, 96, 80, 8, 2, 64, torch.bfloat16, has_sinks)
   plan = _direct.DensePlan(static, shape, (9, 0),
                            compile_kernels=compile_kernels)
+  assert set(plan.ir) == {"fold_flash_forward"}  # the backward's: lazily
+  plan.ensure_backward()
   assert set(plan.ir) == set(_direct._KERNELS)
   # (tiles, sequences, heads): query heads except for dK/dV (KV heads).
   assert plan.grids["fold_flash_forward"][1:] == (2, 8)
@@ -772,6 +774,7 @@ def test_direct_launch_captures_every_kernel(monkeypatch, has_sinks,
   # The plan is built again for a second, identical call (JAX's lowering
   # cache must not hide the kernels from the capture).
   again = _direct.DensePlan(static, shape, (9, 0), compile_kernels=False)
+  again.ensure_backward()
   assert again.ir == plan.ir
   if compile_kernels:
     assert set(plan.kernels) == set(_direct._KERNELS)

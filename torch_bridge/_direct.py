@@ -203,28 +203,39 @@ def _jax_dtype(dtype: torch.dtype):
 
 
 class DensePlan:
-  """The four kernels of one dense configuration and shape, compiled, and
-  the torch glue around them. Tensors: q [b, sq, hq, d], k, v [b, sk, hkv,
-  d] (contiguous), sinks [hq] or None; aux: the kernel's base-2 LSE
-  float32 [hq, b * sq] (+inf on rows that saw nothing)."""
+  """The kernels of one dense configuration and shape, compiled, and the
+  torch glue around them. Tensors: q [b, sq, hq, d], k, v [b, sk, hkv, d]
+  (contiguous), sinks [hq] or None; aux: the kernel's base-2 LSE float32
+  [hq, b * sq] (+inf on rows that saw nothing). The forward kernel is
+  captured and compiled when the plan is made, the backward's three on the
+  first backward (inference never pays for them)."""
+
+  _FWD = ("fold_flash_forward",)
+  _BWD = _KERNELS[1:]
 
   def __init__(self, static, shape: _Shape, cc, *, compile_kernels=True):
-    from pallas_kernels.flash.config import compiled_by
     from torch_bridge.attention import _cfg
-    self.shape = shape
-    self.grids = {}
-    self.kernels = {}
-    self.ir = {}
+    self.shape, self.cc, self.cfg = shape, cc, _cfg(*static)
+    self.compile_kernels = compile_kernels
+    self.grids, self.kernels, self.ir = {}, {}, {}
     self._cu_cache = {}
-    with compiled_by("triton"):  # pip Triton's block table (see config)
-      self._capture_and_compile(_cfg(*static), shape, cc, compile_kernels)
+    self._bwd_lock = threading.Lock()
+    self._build(self._FWD)
 
-  def _capture_and_compile(self, cfg, s: _Shape, cc, compile_kernels):
+  def ensure_backward(self):
+    if self._BWD[0] not in self.ir:
+      with self._bwd_lock:
+        if self._BWD[0] not in self.ir:
+          self._build(self._BWD)
+
+  def _build(self, names):
     import jax
     import jax.numpy as jnp
     from jax_api import dense as _dense
     from pallas_kernels.flash import _preprocess
+    from pallas_kernels.flash.config import compiled_by
     from torch_bridge import _jax_side
+    s, cfg = self.shape, self.cfg
     dt = _jax_dtype(s.dtype)
     f32 = jnp.float32
     q = _sds((s.b, s.sq, s.hq, s.d), dt)
@@ -232,18 +243,22 @@ class DensePlan:
     sinks = _sds((s.hq,), f32) if s.has_sinks else None
     lse = _sds((s.b, s.hq, s.sq), f32)
     aux = _sds((s.hq, s.b * s.sq), f32)
-    # Fresh jit wrappers: a function lowered before (by the general path)
-    # would come from JAX's lowering cache without running Pallas' lowering.
-    fwd = jax.jit(functools.partial(_jax_side._pallas_fwd, cfg))
-    bwd = jax.jit(functools.partial(_jax_side._pallas_bwd, cfg))
-    irs = {name: (ir, grid) for name, ir, grid in capture_triton_ir(
-        fwd, (q, kv, kv, sinks, None, None, None, None)) + capture_triton_ir(
-            bwd, (q, kv, kv, sinks, None, None, None, None, q, lse, aux, q,
-                  lse))}
-    missing = [n for n in _KERNELS if n not in irs]
+    with compiled_by("triton"):  # pip Triton's block table (see config)
+      # Fresh jit wrappers: a function lowered before (by the general path)
+      # would come from JAX's lowering cache without running Pallas'
+      # lowering.
+      if names == self._FWD:
+        fn = jax.jit(functools.partial(_jax_side._pallas_fwd, cfg))
+        args = (q, kv, kv, sinks, None, None, None, None)
+      else:
+        fn = jax.jit(functools.partial(_jax_side._pallas_bwd, cfg))
+        args = (q, kv, kv, sinks, None, None, None, None, q, lse, aux, q,
+                lse)
+      irs = {n: (ir, grid) for n, ir, grid in capture_triton_ir(fn, args)}
+      fwd_b, bwd_b, _ = _dense._kernel_plan(s.d, dt, False)
+    missing = [n for n in names if n not in irs]
     if missing:
       raise RuntimeError(f"torch_bridge: no Triton IR captured for {missing}")
-    fwd_b, bwd_b, _ = _dense._kernel_plan(s.d, dt, False)
     dqb = bwd_b.dq_blocks
     pre = _preprocess._params(s.d)
     launch = {
@@ -256,17 +271,16 @@ class DensePlan:
               "fold_flash_backward_preprocess": 6,
               "fold_flash_backward_dkdv": 10,
               "fold_flash_backward_dq": 9}
-    self.blocks = {"fwd": fwd_b, "bwd": bwd_b, "dq": dqb}
-    for name in _KERNELS:
+    for name in names:
       ttir, grid = irs[name]
       got = pointer_count(ttir)
       if got != n_ptrs[name]:
         raise RuntimeError(f"torch_bridge: {name} takes {got} pointers; the "
                            f"direct launch passes {n_ptrs[name]}")
-      self.ir[name] = ttir
+      if self.compile_kernels:
+        self.kernels[name] = compile_ir(name, ttir, *launch[name], self.cc)
       self.grids[name] = grid
-      if compile_kernels:
-        self.kernels[name] = compile_ir(name, ttir, *launch[name], cc)
+      self.ir[name] = ttir  # last: marks the kernel ready
 
   def _cu(self, device):
     """cu_seqlens of the dense batch (made once per device, read only)."""
@@ -301,6 +315,7 @@ class DensePlan:
 
   def backward(self, q, k, v, sinks, out, aux, dout, dlse):
     """(dq, dk, dv, dsinks float32 [hq] or None)."""
+    self.ensure_backward()
     s = self.shape
     total_q = s.b * s.sq
     dev = q.device
