@@ -309,3 +309,19 @@ def test_deberta_memory_tool_smoke(tmp_path):
                                    x["output_bytes"] - x["alias_bytes"])
     assert any("Total bytes" in line for line in
                x["memory_usage_report_head"])
+
+
+def test_deberta_sweep_tool_smoke(tmp_path):
+  """benchmarks.deberta_sweep on the tiny configuration (interpret mode):
+  every candidate of both lists is timed at every point, outputs finite."""
+  out = tmp_path / "sweep.json"
+  r = _run(["-m", "benchmarks.deberta_sweep", "--smoke", "--out", str(out),
+            "--points", "b2-l32,b2-l32-ragged", "--fwd", "64,64,4,2;32,32,4,1",
+            "--table", "64,64,4,1", "--target-s", "0.02"], timeout=300)
+  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+  res = json.loads(out.read_text())
+  rows = [x for x in res if x["kind"] in ("fwd", "table")]
+  assert [(x["kind"], x["point"]) for x in rows] == [
+      ("fwd", "b2-l32"), ("fwd", "b2-l32-ragged")] * 2 + [
+      ("table", "b2-l32"), ("table", "b2-l32-ragged")]
+  assert all(x["finite"] and x["ms"] > 0 for x in rows)
