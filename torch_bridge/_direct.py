@@ -283,12 +283,14 @@ class DensePlan:
       self.ir[name] = ttir  # last: marks the kernel ready
 
   def _cu(self, device):
-    """cu_seqlens of the dense batch (made once per device, read only)."""
+    """cu_seqlens of the dense batch (made once per device, read only, by
+    a blocking host-to-device copy: complete before any stream reads it)."""
     cu = self._cu_cache.get(device)
     if cu is None:
       s = self.shape
-      r = torch.arange(s.b + 1, device=device, dtype=torch.int32)
-      cu = self._cu_cache[device] = (r * s.sq, r * s.sk)
+      r = torch.arange(s.b + 1, dtype=torch.int32)
+      cu = self._cu_cache[device] = ((r * s.sq).to(device),
+                                     (r * s.sk).to(device))
     return cu
 
   def _launch(self, name, *args):
@@ -322,6 +324,7 @@ class DensePlan:
     with torch.cuda.device(dev):
       cu_q, cu_k = self._cu(dev)
       q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+      out, aux = out.contiguous(), aux.contiguous()
       dout = dout.to(q.dtype).contiguous()
       if dlse is None:
         dlse_rows = torch.zeros((s.hq, total_q), device=dev,
@@ -456,7 +459,8 @@ class DebertaPlan:
     c = self._consts.get(device)
     if c is None:
       s = self.shape
-      cu = torch.arange(s.b + 1, device=device, dtype=torch.int32) * s.s
+      # Blocking host-to-device copies: complete before any stream reads.
+      cu = (torch.arange(s.b + 1, dtype=torch.int32) * s.s).to(device)
       slot = torch.as_tensor(self._slot_table, dtype=torch.int32).to(device)
       c = self._consts[device] = (cu, slot)
     return c
