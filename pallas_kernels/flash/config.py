@@ -96,10 +96,13 @@ _TABLE: dict[tuple[int, int, int, str], BlockSizes] = {
 # Entries for kernels compiled by the pip `triton` package instead of XLA
 # (the torch bridge's direct launch, torch_bridge/_direct.py). The same
 # Triton IR gets different register allocation from the two compilers: on
-# the H200 the 4-warp 128x64 forward spills under pip Triton (2.38 ms at B2
-# H16 S8192 D128 causal) while 128x128 tiles with 8 warps and 3 stages run
-# 1.30 ms there (1.65 ms under XLA); benchmarks/results/h200/
-# triton-compare-2026-12-03. Looked up only inside `compiled_by("triton")`.
+# the H200 (B2 H16 S8192 D128 causal) 128x128 tiles with 8 warps and 3
+# stages ran 1.30 ms under pip Triton against 1.65 ms under XLA, and the
+# 4-warp 128x64 tile XLA prefers spilled (2.38 ms; that compile skipped
+# Triton's TTIR stage, which the bridge now runs: with it, an sm_90 compile
+# on CPU still spills 56 bytes per thread there, none at 128x128/8 warps);
+# benchmarks/results/h200/triton-compare-2026-12-03. Looked up only inside
+# `compiled_by("triton")`.
 _TRITON_TABLE: dict[tuple[int, int, int, str], BlockSizes] = {
     (9, 128, 2, "fwd"): BlockSizes(128, 128, 8, 3),
 }
