@@ -204,7 +204,7 @@ def compile_ir(name: str, ttir: str, num_warps: int, num_stages: int,
       f"{ttir}{num_warps}{num_stages}{cc}".encode()).hexdigest()[:16]
   path = os.path.join(_ir_dir(), f"{name}_{digest}.ttir")
   if not os.path.exists(path):
-    raw = path + ".in"
+    raw = path[: -len(".ttir")] + ".raw.ttir"
     with open(raw, "w") as f:
       f.write(ttir)
     with open(path, "w") as f:
