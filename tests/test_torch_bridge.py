@@ -742,10 +742,10 @@ def test_direct_launch_eligibility(monkeypatch):
     _direct.enabled()
 
 
-@pytest.mark.parametrize("has_sinks,compile_kernels", [(False, True),
-                                                       (True, False)])
+@pytest.mark.parametrize("has_sinks,has_segments,compile_kernels", [
+    (False, False, True), (True, False, False), (False, True, False)])
 def test_direct_launch_captures_every_kernel(monkeypatch, has_sinks,
-                                             compile_kernels):
+                                             has_segments, compile_kernels):
   """The direct launch's contract with Pallas' lowering, checked on CPU for
   sm_90 (GPU query stubbed): each kernel of the dense forward and backward
   is captured, with as many pointer parameters as the launch passes, on the
@@ -761,7 +761,8 @@ def test_direct_launch_captures_every_kernel(monkeypatch, has_sinks,
                                        arch_name="9.0",
                                        compute_capability=90))
   static = ("pallas", True, 64, 0, 0.0, 0.125, 0, 0, False)
-  shape = _direct._Shape(2, 96, 80, 8, 2, 64, torch.bfloat16, has_sinks)
+  shape = _direct._Shape(2, 96, 80, 8, 2, 64, torch.bfloat16, has_sinks,
+                         has_segments)
   plan = _direct.DensePlan(static, shape, (9, 0),
                            compile_kernels=compile_kernels)
   assert set(plan.ir) == {"fold_flash_forward"}  # the backward's: lazily
@@ -783,11 +784,11 @@ def test_direct_launch_captures_every_kernel(monkeypatch, has_sinks,
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("causal,window,softcap,has_sinks", [
-    (True, (-1, -1), 0.0, False), (False, (64, 32), 0.0, True),
-    (True, (-1, -1), 30.0, False)])
+@pytest.mark.parametrize("causal,window,softcap,has_sinks,segments", [
+    (True, (-1, -1), 0.0, False, False), (False, (64, 32), 0.0, True, False),
+    (True, (-1, -1), 30.0, False, False), (True, (-1, -1), 0.0, False, True)])
 def test_gpu_direct_launch_matches_jax_path(monkeypatch, causal, window,
-                                            softcap, has_sinks):
+                                            softcap, has_sinks, segments):
   """The direct launch against the same kernels through JAX and DLPack:
   outputs, LSE and every gradient agree to rounding, and repeated calls
   give the same bits."""
@@ -799,11 +800,15 @@ def test_gpu_direct_launch_matches_jax_path(monkeypatch, causal, window,
            else None)
   g = torch.randn(2, 200, 8, 128, device="cuda", dtype=torch.bfloat16)
   ins = (q, k, v) + ((sinks,) if has_sinks else ())
+  seg = None
+  if segments:  # row 1: two segments (positions 0-36 and 37-199)
+    seg = torch.ones(2, 200, dtype=torch.int32, device="cuda")
+    seg[1, :37] = 0
 
   def run():
     out, lse = tb.fold_attn_func(q, k, v, causal=causal, window_size=window,
                                  sinks=sinks, softcap=softcap,
-                                 return_lse=True)
+                                 segment_ids=seg, return_lse=True)
     return (out, lse) + tuple(_grads(out, ins, g))
 
   n_plans = len(_direct._plans)

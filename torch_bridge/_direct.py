@@ -7,7 +7,7 @@ through DLPack; each call then pays for the import, the stream hand-off, the
 XLA dispatch and the export (292 us per forward at B1 H16 S128 D128 on the
 H200, against 104 us for the JAX call alone and 30 us for the kernel
 launched directly: benchmarks/results/h200/triton-compare-2026-12-03). For
-dense attention (not varlen, no segment ids) this module launches the very
+dense attention (not varlen; segment ids allowed) this module launches the very
 kernels the JAX path runs, directly:
 
 1. Once per configuration and shape, the JAX function the general path
@@ -96,6 +96,7 @@ class _Shape:
   d: int
   dtype: torch.dtype
   has_sinks: bool
+  has_segments: bool = False
 
 
 def eligible(static, q, k, q_seg, k_seg, cu_q) -> bool:
@@ -103,16 +104,16 @@ def eligible(static, q, k, q_seg, k_seg, cu_q) -> bool:
   from pallas_kernels.flash.config import dq_mode, head_dim_bucket
   backend, varlen = static[0], static[8]
   return (backend == "pallas" and not varlen and cu_q is None and
-          q_seg is None and k_seg is None and q.is_cuda and
+          (q_seg is None) == (k_seg is None) and q.is_cuda and
           q.dtype in (torch.bfloat16, torch.float16, torch.float32) and
           q.dim() == 4 and head_dim_bucket(q.shape[-1]) == q.shape[-1] and
           dq_mode() == "recompute" and enabled())
 
 
-def plan(static, q, k, sinks) -> "DensePlan":
+def plan(static, q, k, sinks, q_seg=None) -> "DensePlan":
   """The compiled kernels for this configuration and shape (cached)."""
   shape = _Shape(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2],
-                 q.shape[3], q.dtype, sinks is not None)
+                 q.shape[3], q.dtype, sinks is not None, q_seg is not None)
   key = (static, shape, q.device.index)
   p = _plans.get(key)
   if p is None:
@@ -262,6 +263,9 @@ class DensePlan:
     q = _sds((s.b, s.sq, s.hq, s.d), dt)
     kv = _sds((s.b, s.sk, s.hkv, s.d), dt)
     sinks = _sds((s.hq,), f32) if s.has_sinks else None
+    qs = ks = None
+    if s.has_segments:
+      qs, ks = _sds((s.b, s.sq), jnp.int32), _sds((s.b, s.sk), jnp.int32)
     lse = _sds((s.b, s.hq, s.sq), f32)
     aux = _sds((s.hq, s.b * s.sq), f32)
     with compiled_by("triton"):  # pip Triton's block table (see config)
@@ -270,11 +274,10 @@ class DensePlan:
       # lowering.
       if names == self._FWD:
         fn = jax.jit(functools.partial(_jax_side._pallas_fwd, cfg))
-        args = (q, kv, kv, sinks, None, None, None, None)
+        args = (q, kv, kv, sinks, qs, ks, None, None)
       else:
         fn = jax.jit(functools.partial(_jax_side._pallas_bwd, cfg))
-        args = (q, kv, kv, sinks, None, None, None, None, q, lse, aux, q,
-                lse)
+        args = (q, kv, kv, sinks, qs, ks, None, None, q, lse, aux, q, lse)
       irs = {n: (ir, grid) for n, ir, grid in capture_triton_ir(fn, args)}
       fwd_b, bwd_b, _ = _dense._kernel_plan(s.d, dt, False)
     missing = [n for n in names if n not in irs]
@@ -288,10 +291,11 @@ class DensePlan:
         "fold_flash_backward_dkdv": (bwd_b.num_warps, bwd_b.num_stages),
         "fold_flash_backward_dq": (dqb.num_warps, dqb.num_stages),
     }
-    n_ptrs = {"fold_flash_forward": 7 + int(s.has_sinks),
+    seg = 2 * int(s.has_segments)
+    n_ptrs = {"fold_flash_forward": 7 + int(s.has_sinks) + seg,
               "fold_flash_backward_preprocess": 6,
-              "fold_flash_backward_dkdv": 10,
-              "fold_flash_backward_dq": 9}
+              "fold_flash_backward_dkdv": 10 + seg,
+              "fold_flash_backward_dq": 9 + seg}
     for name in names:
       ttir, grid = irs[name]
       got = pointer_count(ttir)
@@ -317,8 +321,17 @@ class DensePlan:
   def _launch(self, name, *args):
     self.kernels[name][self.grids[name]](*args)
 
-  def forward(self, q, k, v, sinks, need_lse: bool = True):
-    """(out [b, sq, hq, d], lse float32 [b, hq, sq] or None, aux)."""
+  @staticmethod
+  def _segs(q_seg, k_seg):
+    """Segment ids flattened to the packed token order (int32 [b * s])."""
+    if q_seg is None:
+      return []
+    return [x.to(torch.int32).reshape(-1).contiguous() for x in (q_seg, k_seg)]
+
+  def forward(self, q, k, v, sinks, q_seg=None, k_seg=None,
+              need_lse: bool = True):
+    """(out [b, sq, hq, d], lse float32 [b, hq, sq] or None, aux);
+    q_seg / k_seg: int [b, sq] / [b, sk] or None."""
     s = self.shape
     with torch.cuda.device(q.device):
       cu_q, cu_k = self._cu(q.device)
@@ -326,7 +339,7 @@ class DensePlan:
       aux = torch.empty((s.hq, s.b * s.sq), device=q.device,
                         dtype=torch.float32)
       q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-      args = [cu_q, cu_k, q, k, v]
+      args = [cu_q, cu_k, q, k, v] + self._segs(q_seg, k_seg)
       if sinks is not None:
         args.append(sinks.detach().float().contiguous())
       self._launch("fold_flash_forward", *args, out, aux)
@@ -336,7 +349,8 @@ class DensePlan:
       lse = lse.view(s.hq, s.b, s.sq).transpose(0, 1).contiguous()
     return out, lse, aux
 
-  def backward(self, q, k, v, sinks, out, aux, dout, dlse):
+  def backward(self, q, k, v, sinks, out, aux, dout, dlse, q_seg=None,
+               k_seg=None):
     """(dq, dk, dv, dsinks float32 [hq] or None)."""
     self.ensure_backward()
     s = self.shape
@@ -362,10 +376,11 @@ class DensePlan:
       dv = torch.empty_like(v, memory_format=torch.contiguous_format)
       # grouped views: [total, hkv, group, d] and [hkv, group, total] are
       # the same memory as [total, hq, d] and [hq, total].
+      segs = self._segs(q_seg, k_seg)
       self._launch("fold_flash_backward_dkdv", cu_q, cu_k, q, k, v, dout,
-                   aux, delta, dk, dv)
+                   aux, delta, *segs, dk, dv)
       self._launch("fold_flash_backward_dq", cu_q, cu_k, q, k, v, dout, aux,
-                   delta, dq)
+                   delta, *segs, dq)
       dsinks = None
       if sinks is not None:
         p_sink = torch.exp2(sinks.detach().float()[:, None] * LOG2E - aux)

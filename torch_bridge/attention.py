@@ -6,7 +6,7 @@ work eagerly, under autograd (including double-backward-free training loops
 and `torch.utils.checkpoint`) and under `torch.compile(fullgraph=True)`.
 Each op hands its tensors to a jit-compiled JAX function through DLPack (no
 copy; see `torch_bridge._runtime` for the stream and lifetime rules) and
-returns JAX's outputs as torch tensors; dense (non-varlen, unsegmented)
+returns JAX's outputs as torch tensors; dense (non-varlen)
 attention on CUDA skips PJRT and launches the same Pallas kernels' Triton
 IR on torch's stream (`torch_bridge._direct`; FOLDAX_TORCH_LAUNCH=jax turns
 that off). The backward op feeds the saved
@@ -112,8 +112,8 @@ def _fwd_impl(q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, static,
   need_lse=False (eager calls that do not return it) hands torch only the
   output (lse and aux come back as None; each export costs host time)."""
   if _direct.eligible(static, q, k, q_seg, k_seg, cu_q):
-    out, lse, aux = _direct.plan(static, q, k, sinks).forward(
-        q, k, v, sinks, need_lse=need_lse)
+    out, lse, aux = _direct.plan(static, q, k, sinks, q_seg).forward(
+        q, k, v, sinks, q_seg, k_seg, need_lse=need_lse)
     if keep:
       return (out, lse, aux), None
     return out, lse, aux
@@ -141,8 +141,8 @@ def _bwd_impl(dout, dlse, q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, out, lse,
   dsinks as None."""
   if (kept is None and aux is not None and aux.numel() and
       _direct.eligible(static, q, k, q_seg, k_seg, cu_q)):
-    dq, dk, dv, ds = _direct.plan(static, q, k, sinks).backward(
-        q, k, v, sinks, out, aux, dout, dlse)
+    dq, dk, dv, ds = _direct.plan(static, q, k, sinks, q_seg).backward(
+        q, k, v, sinks, out, aux, dout, dlse, q_seg, k_seg)
     if ds is not None:
       ds = ds.to(sinks.dtype)
     elif ds_tensor:
