@@ -742,6 +742,28 @@ def test_direct_launch_eligibility(monkeypatch):
     _direct.enabled()
 
 
+def test_direct_launch_failure_is_said_once_and_falls_back(caplog):
+  """A plan that cannot be built is tried once; the error is logged once
+  and the calls take the general path (plan None)."""
+  import logging
+  from torch_bridge import _direct
+  calls = []
+
+  def build():
+    calls.append(1)
+    raise RuntimeError("no ptxas here")
+
+  key = ("test_direct_launch_failure", len(_direct._plans))
+  with caplog.at_level(logging.WARNING):
+    assert _direct._cached_plan(key, build, "a test kernel") is None
+    assert _direct._cached_plan(key, build, "a test kernel") is None
+  assert calls == [1]
+  said = [r.getMessage() for r in caplog.records
+          if "no ptxas here" in r.getMessage()]
+  assert len(said) == 1 and "JAX and DLPack" in said[0]
+  _direct._plans.pop(key)
+
+
 @pytest.mark.parametrize("has_sinks,has_segments,compile_kernels", [
     (False, False, True), (True, False, False), (False, True, False)])
 def test_direct_launch_captures_every_kernel(monkeypatch, has_sinks,
@@ -814,6 +836,9 @@ def test_gpu_direct_launch_matches_jax_path(monkeypatch, causal, window,
   n_plans = len(_direct._plans)
   direct = run()
   assert len(_direct._plans) == n_plans + 1  # it took the direct path
+  plan = list(_direct._plans.values())[-1]
+  assert isinstance(plan, _direct.DensePlan)  # and building did not fail
+  assert set(plan.kernels) == set(_direct._KERNELS)
   again = run()
   for a, b in zip(direct, again):
     assert torch.equal(a, b)
@@ -885,6 +910,7 @@ def test_gpu_deberta_direct_forward_matches_jax_path(monkeypatch):
   n_plans = len(_direct._plans)
   direct = run()
   assert len(_direct._plans) == n_plans + 1  # it took the direct path
+  assert isinstance(list(_direct._plans.values())[-1], _direct.DebertaPlan)
   assert torch.equal(direct, run())
   monkeypatch.setenv("FOLDAX_TORCH_LAUNCH", "jax")
   via_jax = run()

@@ -110,22 +110,44 @@ def eligible(static, q, k, q_seg, k_seg, cu_q) -> bool:
           dq_mode() == "recompute" and enabled())
 
 
-def plan(static, q, k, sinks, q_seg=None) -> "DensePlan":
-  """The compiled kernels for this configuration and shape (cached)."""
-  shape = _Shape(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2],
-                 q.shape[3], q.dtype, sinks is not None, q_seg is not None)
-  key = (static, shape, q.device.index)
+_FAILED = object()  # a plan that could not be built: the general path runs
+
+
+def _cached_plan(key, build, what: str):
+  """_plans[key], built once; None when building failed (said once, with
+  the error: those calls then go through JAX and DLPack, the same kernels
+  compiled by XLA)."""
   p = _plans.get(key)
   if p is None:
     with _lock:
       p = _plans.get(key)
       if p is None:
-        cc = torch.cuda.get_device_capability(q.device)
-        p = _plans[key] = DensePlan(static, shape, cc)
-        rt.announce("torch_bridge: dense attention on CUDA launches the "
-                    "Pallas kernels' Triton IR directly on torch's stream "
-                    "(FOLDAX_TORCH_LAUNCH=jax: through JAX and DLPack).")
-  return p
+        try:
+          p = build()
+        except Exception as e:  # noqa: BLE001
+          rt.announce(f"torch_bridge: the direct launch of {what} failed "
+                      f"({type(e).__name__}: {str(e)[:300]}); these calls "
+                      "go through JAX and DLPack instead.")
+          p = _FAILED
+        _plans[key] = p
+  return None if p is _FAILED else p
+
+
+def plan(static, q, k, sinks, q_seg=None) -> "DensePlan | None":
+  """The compiled kernels for this configuration and shape (cached), or
+  None if they could not be built (see `_cached_plan`)."""
+  shape = _Shape(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2],
+                 q.shape[3], q.dtype, sinks is not None, q_seg is not None)
+
+  def build():
+    p = DensePlan(static, shape, torch.cuda.get_device_capability(q.device))
+    rt.announce("torch_bridge: dense attention on CUDA launches the Pallas "
+                "kernels' Triton IR directly on torch's stream "
+                "(FOLDAX_TORCH_LAUNCH=jax: through JAX and DLPack).")
+    return p
+
+  return _cached_plan((static, shape, q.device.index), build,
+                      f"dense attention {shape}")
 
 
 # ----------------------------------------------------------------------------
@@ -242,6 +264,7 @@ class DensePlan:
     self.grids, self.kernels, self.ir = {}, {}, {}
     self._cu_cache = {}
     self._bwd_lock = threading.Lock()
+    self._bwd_failed = False
     self._build(self._FWD)
 
   def ensure_backward(self):
@@ -249,6 +272,22 @@ class DensePlan:
       with self._bwd_lock:
         if self._BWD[0] not in self.ir:
           self._build(self._BWD)
+
+  def backward_ready(self) -> bool:
+    """Builds the backward's kernels once; False (said once, with the
+    error) if that failed: the backward then goes through JAX."""
+    if self._bwd_failed:
+      return False
+    try:
+      self.ensure_backward()
+    except Exception as e:  # noqa: BLE001
+      self._bwd_failed = True
+      rt.announce(f"torch_bridge: the direct launch of the backward of "
+                  f"{self.shape} failed ({type(e).__name__}: "
+                  f"{str(e)[:300]}); it goes through JAX and DLPack "
+                  "instead.")
+      return False
+    return True
 
   def _build(self, names):
     import jax
@@ -414,24 +453,22 @@ def deberta_eligible(cfg, q, cu, seed) -> bool:
           enabled())
 
 
-def deberta_plan(cfg, q, pk, pq, mask) -> "DebertaPlan":
+def deberta_plan(cfg, q, pk, pq, mask) -> "DebertaPlan | None":
   pos = pk if pk is not None else pq
   shape = _DebertaShape(q.shape[0], q.shape[1], q.shape[2], q.shape[3],
                         q.dtype, mask is not None,
                         pos.shape[0] if pos is not None else 0)
-  key = ("deberta", cfg, shape, q.device.index)
-  p = _plans.get(key)
-  if p is None:
-    with _lock:
-      p = _plans.get(key)
-      if p is None:
-        cc = torch.cuda.get_device_capability(q.device)
-        p = _plans[key] = DebertaPlan(cfg, shape, cc)
-        rt.announce("torch_bridge: DeBERTa attention on CUDA (inference, no "
-                    "dropout) launches the Pallas kernels' Triton IR "
-                    "directly on torch's stream (FOLDAX_TORCH_LAUNCH=jax: "
-                    "through JAX and DLPack).")
-  return p
+
+  def build():
+    p = DebertaPlan(cfg, shape, torch.cuda.get_device_capability(q.device))
+    rt.announce("torch_bridge: DeBERTa attention on CUDA (inference, no "
+                "dropout) launches the Pallas kernels' Triton IR directly on "
+                "torch's stream (FOLDAX_TORCH_LAUNCH=jax: through JAX and "
+                "DLPack).")
+    return p
+
+  return _cached_plan(("deberta", cfg, shape, q.device.index), build,
+                      f"DeBERTa attention {shape}")
 
 
 class DebertaPlan:

@@ -111,9 +111,11 @@ def _fwd_impl(q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, static,
   them again); aux_tensor=False leaves the XLA path's aux as None;
   need_lse=False (eager calls that do not return it) hands torch only the
   output (lse and aux come back as None; each export costs host time)."""
-  if _direct.eligible(static, q, k, q_seg, k_seg, cu_q):
-    out, lse, aux = _direct.plan(static, q, k, sinks, q_seg).forward(
-        q, k, v, sinks, q_seg, k_seg, need_lse=need_lse)
+  dp = (_direct.plan(static, q, k, sinks, q_seg)
+        if _direct.eligible(static, q, k, q_seg, k_seg, cu_q) else None)
+  if dp is not None:
+    out, lse, aux = dp.forward(q, k, v, sinks, q_seg, k_seg,
+                               need_lse=need_lse)
     if keep:
       return (out, lse, aux), None
     return out, lse, aux
@@ -139,10 +141,13 @@ def _bwd_impl(dout, dlse, q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, out, lse,
   """Runs the jitted backward. kept: the forward's JAX arrays (eager path:
   nothing but dout/dlse is imported); ds_tensor=False leaves a missing
   dsinks as None."""
+  dp = None
   if (kept is None and aux is not None and aux.numel() and
       _direct.eligible(static, q, k, q_seg, k_seg, cu_q)):
-    dq, dk, dv, ds = _direct.plan(static, q, k, sinks, q_seg).backward(
-        q, k, v, sinks, out, aux, dout, dlse, q_seg, k_seg)
+    dp = _direct.plan(static, q, k, sinks, q_seg)
+  if dp is not None and dp.backward_ready():
+    dq, dk, dv, ds = dp.backward(q, k, v, sinks, out, aux, dout, dlse, q_seg,
+                                 k_seg)
     if ds is not None:
       ds = ds.to(sinks.dtype)
     elif ds_tensor:

@@ -132,9 +132,10 @@ def _static(backend, position_buckets, max_relative_positions, c2p, p2c,
 
 
 def _fwd_impl(q, k, v, pk, pq, mask, cu, seed, cfg: DebertaConfig):
-  if _direct.deberta_eligible(cfg, q, cu, seed):
-    return _direct.deberta_plan(cfg, q, pk, pq, mask).forward(q, k, v, pk, pq,
-                                                              mask)
+  dp = (_direct.deberta_plan(cfg, q, pk, pq, mask)
+        if _direct.deberta_eligible(cfg, q, cu, seed) else None)
+  if dp is not None:
+    return dp.forward(q, k, v, pk, pq, mask)
   target = rt.target_for(q.device, q.dtype, cfg.backend)
   imp = rt.Importer(target)
   out = _forward_fn(cfg)(imp(q), imp(k), imp(v), imp(pk), imp(pq), imp(mask),
