@@ -179,6 +179,24 @@ def hf_config_kwargs(smoke: bool) -> dict:
   return kw
 
 
+def point_inputs(B: int, L: int, ragged: bool, vocab: int):
+  """(input_ids, attention_mask, lengths) of a point, torch CPU tensors
+  [B, L]: random ids from a fixed seed; with `ragged`, lengths L/8 .. L
+  spread evenly and shuffled, padding id 0 after each length."""
+  import torch
+  g = torch.Generator().manual_seed(1)
+  ids = torch.randint(1, vocab, (B, L), generator=g)
+  if ragged:
+    lo = L // 8
+    lens = [lo + (i * (L - lo)) // max(1, B - 1) for i in range(B)]
+    perm = torch.randperm(B, generator=g).tolist()
+    lens = [lens[i] for i in perm]
+  else:
+    lens = [L] * B
+  mask = (torch.arange(L)[None, :] < torch.tensor(lens)[:, None]).long()
+  return ids * mask, mask, lens  # pad_token_id 0 on padding
+
+
 def _err(e: BaseException) -> str:
   return D._err(e)
 
@@ -445,21 +463,8 @@ class Suite:
   def inputs(self, point: Point):
     key = ("inputs", point.B, point.L, point.ragged)
     if key not in self.cache:
-      import torch
-      g = torch.Generator().manual_seed(1)
-      vocab = hf_config_kwargs(self.smoke)["vocab_size"]
-      ids = torch.randint(1, vocab, (point.B, point.L), generator=g)
-      if point.ragged:
-        lo = point.L // 8
-        lens = [lo + (i * (point.L - lo)) // max(1, point.B - 1)
-                for i in range(point.B)]
-        perm = torch.randperm(point.B, generator=g).tolist()
-        lens = [lens[i] for i in perm]
-      else:
-        lens = [point.L] * point.B
-      mask = (torch.arange(point.L)[None, :] <
-              torch.tensor(lens)[:, None]).long()
-      ids = ids * mask  # pad_token_id 0 on padding
+      ids, mask, lens = point_inputs(point.B, point.L, point.ragged,
+                                     hf_config_kwargs(self.smoke)["vocab_size"])
       self.cache[key] = (ids.to(self.device), mask.to(self.device), lens)
     return self.cache[key]
 

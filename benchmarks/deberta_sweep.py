@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import _timing as T
-from benchmarks.deberta import hf_config_kwargs
+from benchmarks.deberta import hf_config_kwargs, point_inputs
 from benchmarks.kernel_probe import _parse_blocks
 from pallas_kernels.deberta.config import blocks_for
 
@@ -36,15 +36,11 @@ _TABLE = "128,128,8,1;128,128,4,2;64,128,4,2;128,64,4,2;256,128,8,2;128,256,8,2"
 
 
 def _inputs(b: int, l: int, ragged: bool, vocab: int):
-  rng = np.random.default_rng(1)
-  ids = rng.integers(1, vocab, (b, l))
-  lens = [l] * b
-  if ragged:
-    lo = l // 8
-    lens = [lo + (i * (l - lo)) // max(1, b - 1) for i in range(b)]
-    rng.shuffle(lens)
-  mask = (np.arange(l)[None, :] < np.asarray(lens)[:, None]).astype(np.int32)
-  return jnp.asarray(ids * mask, jnp.int32), jnp.asarray(mask)
+  """The benchmark's inputs of this point (`deberta.point_inputs`), as JAX
+  int32 arrays."""
+  ids, mask, _ = point_inputs(b, l, ragged, vocab)
+  return (jnp.asarray(ids.numpy(), jnp.int32),
+          jnp.asarray(mask.numpy(), jnp.int32))
 
 
 def main(argv=None):

@@ -457,8 +457,9 @@ def ir_stats(configs, b=2, s=8192, h=16, d=128, causal=True,
   import subprocess
   import tempfile
   import warnings
-  from jax._src.pallas.triton import gpu_info, lowering
+  from jax._src.pallas.triton import gpu_info
   from jax._src.pallas.triton import pallas_call_registration as reg
+  from pallas_kernels._triton_ir import capture_triton_ir
   import triton
   from triton._C.libtriton import ir
   from triton.backends.compiler import GPUTarget
@@ -467,14 +468,6 @@ def ir_stats(configs, b=2, s=8192, h=16, d=128, causal=True,
   reg.gpu_info_lib.get_gpu_info = lambda *a, **k: gpu_info.GpuInfo(
       gpu_version=gpu_info.GpuVersion.H200, arch_name="9.0",
       compute_capability=90)
-  captured = []
-  orig = lowering.lower_jaxpr_to_triton_module
-
-  def capture(*a, **k):
-    r = orig(*a, **k)
-    captured.append(r.module.operation.get_asm(enable_debug_info=False))
-    return r
-  reg.lowering.lower_jaxpr_to_triton_module = capture
   bindir = os.path.join(os.path.dirname(triton.__file__), "backends",
                         "nvidia", "bin")
   target = GPUTarget("cuda", 90, 32)
@@ -545,8 +538,10 @@ def ir_stats(configs, b=2, s=8192, h=16, d=128, causal=True,
       print(f"   loop: {n} instructions, {spill} spill ld/st; {top}",
             flush=True)
 
+  def capture(fn, *args):
+    return [ir for _, ir, _ in capture_triton_ir(jax.jit(fn), args)]
+
   for impl, bs in jobs:
-    captured.clear()
     with warnings.catch_warnings():
       warnings.simplefilter("ignore")
       if impl == "bwd":
@@ -555,12 +550,12 @@ def ir_stats(configs, b=2, s=8192, h=16, d=128, causal=True,
         q = sds((b * s, h, d), jnp.bfloat16)
         cu = sds((b + 1,), jnp.int32)
         rows = sds((h, b * s), jnp.float32)
-        jax.jit(lambda q, k, v, o, l, do, cu, kv_bs=kv_bs, dq_bs=dq_bs:
-                flash_backward(q, k, v, o, l, do, cu, cu, cfg=cfg,
-                               blocks=kv_bs, dq_blocks=dq_bs, max_seqlen_q=s,
-                               max_seqlen_k=s, dq_mode="recompute")).trace(
-                    q, q, q, q, rows, q, cu).lower(
-                        lowering_platforms=("cuda",))
+        captured = capture(
+            lambda q, k, v, o, l, do, cu, kv_bs=kv_bs, dq_bs=dq_bs:
+            flash_backward(q, k, v, o, l, do, cu, cu, cfg=cfg, blocks=kv_bs,
+                           dq_blocks=dq_bs, max_seqlen_q=s, max_seqlen_k=s,
+                           dq_mode="recompute"),
+            q, q, q, q, rows, q, cu)
         kernels = [("dkdv", kv_bs, "fold_flash_backward_dkdv"),
                    ("dq", dq_bs, "fold_flash_backward_dq")]
         for kname, kbs, tag in kernels:
@@ -572,16 +567,14 @@ def ir_stats(configs, b=2, s=8192, h=16, d=128, causal=True,
       if impl == "ours":
         q = sds((b * s, h, d), jnp.bfloat16)
         cu = sds((b + 1,), jnp.int32)
-        jax.jit(lambda q, k, v, cu, bs=bs: flash_forward(
-            q, k, v, cu, cu, cfg=cfg, blocks=bs, max_seqlen_q=s)).trace(
-                q, q, q, cu).lower(lowering_platforms=("cuda",))
+        captured = capture(lambda q, k, v, cu, bs=bs: flash_forward(
+            q, k, v, cu, cu, cfg=cfg, blocks=bs, max_seqlen_q=s), q, q, q, cu)
       else:
         q = sds((b, s, h, d), jnp.bfloat16)
-        jax.jit(lambda q, k, v, bs=bs: pattn.mha(
+        captured = capture(lambda q, k, v, bs=bs: pattn.mha(
             q, k, v, None, sm_scale=d ** -0.5, causal=causal,
             block_sizes=pattn.BlockSizes(bs.block_q, bs.block_k),
-            num_warps=bs.num_warps, num_stages=bs.num_stages)).trace(
-                q, q, q).lower(lowering_platforms=("cuda",))
+            num_warps=bs.num_warps, num_stages=bs.num_stages), q, q, q)
     name = (f"{impl}_{bs.block_q}_{bs.block_k}_w{bs.num_warps}"
             f"s{bs.num_stages}")
     compile_stats(name, captured[0], bs)

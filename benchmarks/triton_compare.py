@@ -27,36 +27,21 @@ import jax.numpy as jnp
 
 from benchmarks import _timing
 from benchmarks.kernel_probe import _parse_blocks
+from pallas_kernels._triton_ir import capture_triton_ir
 from pallas_kernels.flash._tiles import MaskConfig
 from pallas_kernels.flash.config import BlockSizes
 from pallas_kernels.flash.forward import flash_forward
 
 
 def _capture_ttir(fn, *args):
-  """Lowers fn(*args) for CUDA and returns the Triton IR of each kernel."""
-  from jax._src.pallas.triton import lowering
-  from jax._src.pallas.triton import pallas_call_registration as reg
-  captured = []
-  orig = lowering.lower_jaxpr_to_triton_module
-
-  def capture(*a, **k):
-    r = orig(*a, **k)
-    captured.append(r.module.operation.get_asm(enable_debug_info=False))
-    return r
-  reg.lowering.lower_jaxpr_to_triton_module = capture
-  try:
-    jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
-  finally:
-    reg.lowering.lower_jaxpr_to_triton_module = orig
-  return captured
+  """The Triton IR of each kernel of jax.jit(fn)(*args), lowered for CUDA."""
+  return [ir for _, ir, _ in capture_triton_ir(jax.jit(fn), args)]
 
 
-def _pip_compile(ttir: str, name: str, bs: BlockSizes, tmp: str,
-                 target=None):
+def _pip_compile(ttir: str, name: str, bs: BlockSizes, target=None):
   """Compiles Triton IR text with the pip `triton` package, Triton's TTIR
   stage included (`torch_bridge._direct.compile_ir`; the runs of
   2026-12-03 predate that and skipped the stage)."""
-  del tmp
   from torch_bridge._direct import compile_ir
   if target is not None:
     cc = divmod(int(target.arch), 10)
@@ -102,7 +87,6 @@ def main(argv=None):
   a = p.parse_args(argv)
   if a.launch:
     return launch_latency(a)
-  import tempfile
   import torch
   b, s, h, d = a.b, a.s, a.h, a.d
   flops = _timing.attention_flops(b, h, s, s, d, True)
@@ -132,7 +116,6 @@ def main(argv=None):
                             generator=gen) for _ in range(3))
   cu_t = (torch.arange(b + 1, device=dev, dtype=torch.int32) * s)
   qj, kj, vj, cuj = (jnp.from_dlpack(x) for x in (qt, kt, vt, cu_t))
-  tmp = tempfile.mkdtemp(prefix="tc_")
 
   for bs in _parse_blocks(a.blocks):
     tag = f"{bs.block_q}x{bs.block_k}/w{bs.num_warps}s{bs.num_stages}"
@@ -151,7 +134,7 @@ def main(argv=None):
               q, k, v, cu, cu, cfg=cfg, blocks=bs, max_seqlen_q=s),
           qj, kj, vj, cuj) if "fold_flash_forward" in m][0]
       kern = _pip_compile(ttir, f"ours_{bs.block_q}_{bs.block_k}_"
-                          f"{bs.num_warps}_{bs.num_stages}", bs, tmp)
+                          f"{bs.num_warps}_{bs.num_stages}", bs)
       o = torch.empty_like(qt)
       lse = torch.empty(h, b * s, device=dev, dtype=torch.float32)
       grid = (-(-s // bs.block_q), b, h)
@@ -193,7 +176,8 @@ def main(argv=None):
       rec(kind="fastflash_config", blocks=tag, ms=_cuda_median(run))
     except Exception as e:  # noqa: BLE001
       rec(kind="fastflash_config", blocks=tag, error=repr(e)[:300])
-  print("IR and cubins in", tmp)
+  from torch_bridge._direct import _ir_dir
+  print("IR in", _ir_dir(), "(cubins in Triton's cache)")
 
 
 def _sync_median_us(fn, sync, iters, warmup=20):
@@ -213,7 +197,6 @@ def launch_latency(a):
   """Synchronised per-call latency (us) at B1 H16 S128 D128 causal bf16:
   what a torch caller pays for the forward through JAX, through the bridge,
   and through a direct launch of the same Triton IR on torch's stream."""
-  import tempfile
   import torch
   import torch_bridge as tb
   b, s, h, d = 1, 128, 16, 128
@@ -246,7 +229,7 @@ def launch_latency(a):
       lambda q, k, v, cu: flash_forward(q, k, v, cu, cu, cfg=cfg, blocks=bs,
                                         max_seqlen_q=s),
       qj, kj, vj, cuj) if "fold_flash_forward" in m][0]
-  kern = _pip_compile(ttir, "launch", bs, tempfile.mkdtemp(prefix="tl_"))
+  kern = _pip_compile(ttir, "launch", bs)
   grid = (-(-s // bs.block_q), b, h)
 
   def direct():

@@ -742,6 +742,17 @@ def test_direct_launch_eligibility(monkeypatch):
     _direct.enabled()
 
 
+def _lower_for_sm90(monkeypatch):
+  """Lets Pallas lower for CUDA (sm_90, an H200) on a machine without one."""
+  from jax._src.pallas.triton import gpu_info
+  from jax._src.pallas.triton import pallas_call_registration as reg
+  monkeypatch.setattr(
+      reg.gpu_info_lib, "get_gpu_info",
+      lambda *a, **k: gpu_info.GpuInfo(gpu_version=gpu_info.GpuVersion.H200,
+                                       arch_name="9.0",
+                                       compute_capability=90))
+
+
 def test_direct_launch_failure_is_said_once_and_falls_back(caplog):
   """A plan that cannot be built is tried once; the error is logged once
   and the calls take the general path (plan None)."""
@@ -774,14 +785,8 @@ def test_direct_launch_captures_every_kernel(monkeypatch, has_sinks,
   grid the JAX path uses; pip Triton compiles them to cubins."""
   if compile_kernels:
     pytest.importorskip("triton")
-  from jax._src.pallas.triton import gpu_info
-  from jax._src.pallas.triton import pallas_call_registration as reg
   from torch_bridge import _direct
-  monkeypatch.setattr(
-      reg.gpu_info_lib, "get_gpu_info",
-      lambda *a, **k: gpu_info.GpuInfo(gpu_version=gpu_info.GpuVersion.H200,
-                                       arch_name="9.0",
-                                       compute_capability=90))
+  _lower_for_sm90(monkeypatch)
   static = ("pallas", True, 64, 0, 0.0, 0.125, 0, 0, False)
   shape = _direct._Shape(2, 96, 80, 8, 2, 64, torch.bfloat16, has_sinks,
                          has_segments)
@@ -861,17 +866,11 @@ def test_direct_launch_captures_deberta_kernels(monkeypatch, c2p, p2c,
   pointers as the launch passes; pip Triton compiles them."""
   if compile_kernels:
     pytest.importorskip("triton")
-  from jax._src.pallas.triton import gpu_info
-  from jax._src.pallas.triton import pallas_call_registration as reg
   import jax_api._backend
   import jax_api.deberta.attention
   from torch_bridge import _direct
   from torch_bridge.deberta import DebertaConfig
-  monkeypatch.setattr(
-      reg.gpu_info_lib, "get_gpu_info",
-      lambda *a, **k: gpu_info.GpuInfo(gpu_version=gpu_info.GpuVersion.H200,
-                                       arch_name="9.0",
-                                       compute_capability=90))
+  _lower_for_sm90(monkeypatch)
   for mod in (jax_api._backend, jax_api.deberta.attention):
     monkeypatch.setattr(mod, "_gpu_capability", lambda: (9, 0))
   cfg = DebertaConfig("pallas", 32, 64, c2p, p2c, 0.0, 0)

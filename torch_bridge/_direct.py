@@ -48,12 +48,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import re
 import tempfile
 import threading
 
 import torch
 
+from pallas_kernels._triton_ir import capture_triton_ir, pointer_count
 from torch_bridge import _runtime as rt
 
 LN2 = 0.6931471805599453
@@ -78,9 +78,9 @@ def enabled() -> bool:
 
 @functools.cache
 def _triton_available() -> bool:
+  import importlib
   try:
-    import triton  # noqa: F401
-    from triton.backends.compiler import GPUTarget  # noqa: F401
+    importlib.import_module("triton.backends.compiler")
   except Exception:  # noqa: BLE001
     return False
   return True
@@ -154,43 +154,6 @@ def plan(static, q, k, sinks, q_seg=None) -> "DensePlan | None":
 # Capturing and compiling
 # ----------------------------------------------------------------------------
 
-def capture_triton_ir(fn, args) -> list:
-  """[(kernel name, Triton IR text, grid)] of the pallas_calls in fn(*args),
-  in call order, lowered for CUDA (fn: a fresh jitted JAX function, since a
-  function lowered before may come from JAX's cache without running Pallas'
-  lowering; args: ShapeDtypeStructs or None)."""
-  from jax._src.pallas.triton import lowering
-  from jax._src.pallas.triton.pallas_call_registration import normalize_grid
-  got = []
-  orig = lowering.lower_jaxpr_to_triton_module
-
-  def capture(*a, **kw):
-    r = orig(*a, **kw)
-    text = r.module.operation.get_asm(enable_debug_info=False)
-    m = re.search(r"tt\.func public @([\w$.]+)\(", text)
-    got.append((m.group(1) if m else f"kernel{len(got)}", text,
-                normalize_grid(r.grid)))
-    return r
-
-  with _lock_capture:
-    lowering.lower_jaxpr_to_triton_module = capture
-    try:
-      fn.trace(*args).lower(lowering_platforms=("cuda",))
-    finally:
-      lowering.lower_jaxpr_to_triton_module = orig
-  return got
-
-
-_lock_capture = threading.Lock()
-
-
-def pointer_count(ttir: str) -> int:
-  """Pointer parameters of the kernel's signature."""
-  m = re.search(r"tt\.func public @[\w$.]+\((.*?)\)\s*(attributes|\{)",
-                ttir, re.S)
-  return len(re.findall(r"!tt\.ptr<", m.group(1))) if m else -1
-
-
 @functools.cache
 def _ir_dir() -> str:
   return tempfile.mkdtemp(prefix="foldax_ttir_")
@@ -246,7 +209,28 @@ def _jax_dtype(dtype: torch.dtype):
           torch.float32: jnp.float32}[dtype]
 
 
-class DensePlan:
+class _Kernels:
+  """Compiled kernels by name, their grids and IR; checked and launched."""
+
+  def __init__(self, compile_kernels: bool):
+    self.compile_kernels = compile_kernels
+    self.grids, self.kernels, self.ir = {}, {}, {}
+
+  def _add(self, name, ttir, grid, n_ptrs, num_warps, num_stages, cc):
+    got = pointer_count(ttir)
+    if got != n_ptrs:
+      raise RuntimeError(f"torch_bridge: {name} takes {got} pointers; the "
+                         f"direct launch passes {n_ptrs}")
+    if self.compile_kernels:
+      self.kernels[name] = compile_ir(name, ttir, num_warps, num_stages, cc)
+    self.grids[name] = grid
+    self.ir[name] = ttir  # last: marks the kernel ready
+
+  def _launch(self, name, *args):
+    self.kernels[name][self.grids[name]](*args)
+
+
+class DensePlan(_Kernels):
   """The kernels of one dense configuration and shape, compiled, and the
   torch glue around them. Tensors: q [b, sq, hq, d], k, v [b, sk, hkv, d]
   (contiguous), sinks [hq] or None; aux: the kernel's base-2 LSE float32
@@ -259,9 +243,8 @@ class DensePlan:
 
   def __init__(self, static, shape: _Shape, cc, *, compile_kernels=True):
     from torch_bridge.attention import _cfg
+    super().__init__(compile_kernels)
     self.shape, self.cc, self.cfg = shape, cc, _cfg(*static)
-    self.compile_kernels = compile_kernels
-    self.grids, self.kernels, self.ir = {}, {}, {}
     self._cu_cache = {}
     self._bwd_lock = threading.Lock()
     self._bwd_failed = False
@@ -336,15 +319,7 @@ class DensePlan:
               "fold_flash_backward_dkdv": 10 + seg,
               "fold_flash_backward_dq": 9 + seg}
     for name in names:
-      ttir, grid = irs[name]
-      got = pointer_count(ttir)
-      if got != n_ptrs[name]:
-        raise RuntimeError(f"torch_bridge: {name} takes {got} pointers; the "
-                           f"direct launch passes {n_ptrs[name]}")
-      if self.compile_kernels:
-        self.kernels[name] = compile_ir(name, ttir, *launch[name], self.cc)
-      self.grids[name] = grid
-      self.ir[name] = ttir  # last: marks the kernel ready
+      self._add(name, *irs[name], n_ptrs[name], *launch[name], self.cc)
 
   def _cu(self, device):
     """cu_seqlens of the dense batch (made once per device, read only, by
@@ -356,9 +331,6 @@ class DensePlan:
       cu = self._cu_cache[device] = ((r * s.sq).to(device),
                                      (r * s.sk).to(device))
     return cu
-
-  def _launch(self, name, *args):
-    self.kernels[name][self.grids[name]](*args)
 
   @staticmethod
   def _segs(q_seg, k_seg):
@@ -471,7 +443,7 @@ def deberta_plan(cfg, q, pk, pq, mask) -> "DebertaPlan | None":
                       f"DeBERTa attention {shape}")
 
 
-class DebertaPlan:
+class DebertaPlan(_Kernels):
   """The position-table GEMM and the disentangled forward kernel of one
   DeBERTa configuration and shape, compiled, and the torch glue around them
   (what `jax_api.deberta.disentangled_attention` does in XLA on its Pallas
@@ -486,6 +458,7 @@ class DebertaPlan:
     from pallas_kernels.deberta._geometry import geometry
     from pallas_kernels.deberta.config import blocks_for
     from torch_bridge import deberta as tdb
+    super().__init__(compile_kernels)
     s = shape
     self.cfg, self.shape = cfg, s
     dt = _jax_dtype(s.dtype)
@@ -508,7 +481,6 @@ class DebertaPlan:
     blocks = blocks_for(head_dim=s.d, dtype=dt, interpret=False,
                         compute_capability=cc)
     n_fwd = 2 + int(s.has_mask) + 3 + int(cfg.c2p) + int(cfg.p2c) + 2
-    self.ir, self.grids, self.kernels = {}, {}, {}
     for name, ttir, grid in got:
       # The c2p and p2c tables are one kernel on same-shaped operands.
       if name in self.ir:
@@ -518,14 +490,7 @@ class DebertaPlan:
       b = blocks.table if name == "fold_deberta_position_table" else \
           blocks.fwd
       need = 3 if name == "fold_deberta_position_table" else n_fwd
-      if pointer_count(ttir) != need:
-        raise RuntimeError(f"torch_bridge: {name} takes "
-                           f"{pointer_count(ttir)} pointers; the direct "
-                           f"launch passes {need}")
-      self.ir[name], self.grids[name] = ttir, grid
-      if compile_kernels:
-        self.kernels[name] = compile_ir(name, ttir, b.num_warps,
-                                        b.num_stages, cc)
+      self._add(name, ttir, grid, need, b.num_warps, b.num_stages, cc)
     self._consts = {}
 
   def _device_consts(self, device):
@@ -537,9 +502,6 @@ class DebertaPlan:
       slot = torch.as_tensor(self._slot_table, dtype=torch.int32).to(device)
       c = self._consts[device] = (cu, slot)
     return c
-
-  def _launch(self, name, *args):
-    self.kernels[name][self.grids[name]](*args)
 
   def forward(self, q, k, v, pk, pq, mask):
     """out [b, s, h, d] in q's dtype."""
