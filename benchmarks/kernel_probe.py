@@ -262,6 +262,14 @@ def _parse_bwd_configs(spec):
   return out
 
 
+def _probe_compiler(bs: BlockSizes) -> BlockSizes:
+  """A probed configuration is compiled by pip Triton under
+  FOLDAX_KERNEL_COMPILER=triton, by XLA otherwise."""
+  from pallas_kernels.flash.config import compiler_setting, with_compiler
+  return with_compiler(bs, "triton" if compiler_setting() == "triton"
+                       else "xla")
+
+
 def _parse_blocks(spec):
   """'128,64,4,2;128,128,8,3' -> [BlockSizes, ...]."""
   return [BlockSizes(*(int(x) for x in item.split(",")))
@@ -628,6 +636,8 @@ def main(argv=None):
                   argv=sys.argv)]
   if os.environ.get("FOLDAX_GIT_COMMIT"):
     records[0]["git_commit"] = os.environ["FOLDAX_GIT_COMMIT"]
+  bwd_configs = [(_probe_compiler(kv), _probe_compiler(dq))
+                 for kv, dq in bwd_configs]
   if a.bwd_probe:
     b, s_, h, d = (int(x) for x in a.fwd_shape.split(","))
     bwd_probe(records, bwd_configs, b=b, s=s_, h=h, d=d, reps=a.bwd_reps,
@@ -635,8 +645,9 @@ def main(argv=None):
               interpret=a.interpret)
     return
   if a.fwd_probe:
-    configs = (_parse_blocks(a.fwd_blocks) if a.fwd_blocks else
-               [BlockSizes(*c) for c in FWD_PROBE_CONFIGS])
+    configs = [_probe_compiler(c) for c in (
+        _parse_blocks(a.fwd_blocks) if a.fwd_blocks else
+        [BlockSizes(*c) for c in FWD_PROBE_CONFIGS])]
     b, s_, h, d = (int(x) for x in a.fwd_shape.split(","))
     fwd_probe(records, configs, b=b, s=s_, h=h, d=d, reps=a.fwd_reps,
               inner=1 if a.interpret else 5, out_path=a.out,

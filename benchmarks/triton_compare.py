@@ -40,15 +40,15 @@ def _capture_ttir(fn, *args):
 
 def _pip_compile(ttir: str, name: str, bs: BlockSizes, target=None):
   """Compiles Triton IR text with the pip `triton` package, Triton's TTIR
-  stage included (`torch_bridge._direct.compile_ir`; the runs of
+  stage included (`pallas_kernels._pip_triton.compile_ttir`; the runs of
   2026-12-03 predate that and skipped the stage)."""
-  from torch_bridge._direct import compile_ir
+  from pallas_kernels._pip_triton import compile_ttir
   if target is not None:
     cc = divmod(int(target.arch), 10)
   else:
     import torch
     cc = torch.cuda.get_device_capability()
-  return compile_ir(name, ttir, bs.num_warps, bs.num_stages, tuple(cc))
+  return compile_ttir(name, ttir, bs.num_warps, bs.num_stages, tuple(cc))
 
 
 def _cuda_median(fn, iters=20, batches=15):
@@ -176,7 +176,7 @@ def main(argv=None):
       rec(kind="fastflash_config", blocks=tag, ms=_cuda_median(run))
     except Exception as e:  # noqa: BLE001
       rec(kind="fastflash_config", blocks=tag, error=repr(e)[:300])
-  from torch_bridge._direct import _ir_dir
+  from pallas_kernels._pip_triton import _ir_dir
   print("IR in", _ir_dir(), "(cubins in Triton's cache)")
 
 

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_api import _validation as val
+from jax_api import _backend
 from jax_api._backend import _gpu_capability, resolve_backend
 from jax_api._xla_attention import xla_attention
 from pallas_kernels.flash._tiles import LN2, MaskConfig
@@ -71,11 +72,28 @@ def _kernel_plan(head_dim: int, dtype, interpret: bool):
   cc = None if interpret else _gpu_capability()
   reduction = dq_mode()
   bwd_mode = "bwd_atomic" if reduction == "atomic" else "bwd"
-  return (block_sizes_for(compute_capability=cc, head_dim=head_dim,
+  plan = (block_sizes_for(compute_capability=cc, head_dim=head_dim,
                           dtype=dtype, mode="fwd", interpret=interpret),
           block_sizes_for(compute_capability=cc, head_dim=head_dim,
                           dtype=dtype, mode=bwd_mode, interpret=interpret),
           reduction)
+  if not interpret:
+    _announce_compilers(plan[0], plan[1])
+  return plan
+
+
+def _announce_compilers(fwd: BlockSizes, bwd: BlockSizes) -> None:
+  """Says once per combination which compiler builds the kernels (and,
+  where pip Triton would have compiled one but cannot, why not)."""
+  from pallas_kernels import _pip_triton
+  from pallas_kernels.flash.config import compiler_setting
+  why = _pip_triton.available() if compiler_setting() == "auto" else None
+  dq = bwd.dq_blocks.compiler
+  _backend._announce(
+      f"jax_api: flash kernels compiled by forward={fwd.compiler}, "
+      f"backward={bwd.compiler}/dq={dq} (FOLDAX_KERNEL_COMPILER="
+      f"{compiler_setting()})" + (f"; pip Triton unused: {why}" if why else
+                                  "") + ".")
 
 
 def _check_common(q, k, v, sinks, window_size, softcap, softmax_scale,

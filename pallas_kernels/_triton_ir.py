@@ -12,6 +12,13 @@ import re
 import threading
 
 _lock = threading.Lock()
+_capturing = threading.local()
+
+
+def capturing() -> bool:
+  """True while this thread lowers a function only to capture its IR (the
+  pip-Triton lowering rule then leaves compiling to Pallas' own rule)."""
+  return getattr(_capturing, "on", False)
 
 
 def capture_triton_ir(fn, args) -> list:
@@ -39,9 +46,11 @@ def capture_triton_ir(fn, args) -> list:
 
   with _lock:
     lowering.lower_jaxpr_to_triton_module = capture
+    _capturing.on = True
     try:
       fn.trace(*args).lower(lowering_platforms=("cuda",))
     finally:
+      _capturing.on = False
       lowering.lower_jaxpr_to_triton_module = orig
   return got
 

@@ -339,33 +339,80 @@ def test_lowers_for_triton_on_cpu(monkeypatch):
         lowering_platforms=("cuda",))
 
 
+def _use_compiler(monkeypatch, compiler):
+  """Kernels traced from now on are compiled by `compiler` ("xla", "triton"
+  or "auto"; on the GPU, pip Triton must then really be usable)."""
+  monkeypatch.setenv("FOLDAX_KERNEL_COMPILER", compiler)
+  if compiler != "xla":
+    from pallas_kernels import _pip_triton
+    assert _pip_triton.available() is None, _pip_triton.available()
+
+
+COMPILERS = ("xla", "triton")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("compiler", COMPILERS)
 @pytest.mark.parametrize("case,dtype", [
     ("gqa4_window", jnp.bfloat16),
     ("sinks_softcap_scale", jnp.bfloat16),
     ("segments", jnp.float32),
     ("causal_sq_gt_sk_masked_rows", jnp.float16),
 ])
-def test_gpu_matches_reference(case, dtype):
+def test_gpu_matches_reference(case, dtype, compiler, monkeypatch):
+  _use_compiler(monkeypatch, compiler)
   _check_against_reference(**CASES[case], dtype=dtype, backend="pallas")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU")
-def test_gpu_matches_reference_long_gqa():
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_gpu_matches_reference_long_gqa(compiler, monkeypatch):
+  _use_compiler(monkeypatch, compiler)
   _check_against_reference(b=2, sq=1000, sk=1000, hq=8, hkv=2, d=128,
                            dtype=jnp.bfloat16, causal=True, backend="pallas")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU")
+def test_gpu_pip_triton_lowering_is_taken(monkeypatch):
+  """Which kernels lower to jaxlib's Triton call (a pip-Triton cubin) and
+  which to XLA's Triton compile: FOLDAX_KERNEL_COMPILER=triton all four
+  (forward, D_i, dK/dV, dQ), xla none, auto the D128 forward only (the
+  shipped table's pip-Triton entry); every setting gives the same result
+  to rounding."""
+  rng = np.random.default_rng(3)
+  q, do = (_rand(rng, (2, 777, 8, 128), jnp.bfloat16) for _ in range(2))
+  k, v = (_rand(rng, (2, 777, 2, 128), jnp.bfloat16) for _ in range(2))
+  expect = {"xla": (0, 4), "triton": (4, 0), "auto": (1, 3)}
+  got = {}
+  for setting, (n_ffi, n_xla) in expect.items():
+    _use_compiler(monkeypatch, setting)
+    fn = jax.jit(lambda q, k, v, do: _grads(
+        functools.partial(fold_attn_func, causal=True, backend="pallas"),
+        q, k, v, do))
+    text = fn.lower(q, k, v, do).as_text()
+    counts = (text.count("triton_kernel_call_ffi"),
+              text.count("__gpu$xla.gpu.triton"))
+    assert counts == (n_ffi, n_xla), (setting, counts)
+    got[setting] = fn(q, k, v, do)
+  for setting in ("triton", "auto"):
+    for name, a, b in zip(GRAD_NAMES, got[setting], got["xla"]):
+      assert _rel(a, b) < 1e-2, (setting, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("compiler", COMPILERS)
 @pytest.mark.parametrize("mode", ["atomic", "recompute"])
-def test_gpu_bitwise_repeatable_and_batch_invariant(mode, monkeypatch):
+def test_gpu_bitwise_repeatable_and_batch_invariant(mode, compiler,
+                                                    monkeypatch):
   """20 identical runs; sequence 2 alone, inside the batch of 4, and packed
   at an offset that is no multiple of any tile between sequences of other
   lengths (plus a tail outside every sequence) gives the same bits."""
   monkeypatch.setenv("FOLDAX_DQ_MODE", mode)
+  _use_compiler(monkeypatch, compiler)
   rng = np.random.default_rng(1)
   s = 1024
   q, do = (_rand(rng, (4, s, 8, 128), jnp.bfloat16) for _ in range(2))
@@ -413,22 +460,3 @@ def test_block_table_override(tmp_path, monkeypatch):
   assert block_sizes_for(compute_capability=(9, 0), head_dim=128,
                          dtype=jnp.bfloat16, mode="fwd",
                          interpret=False) != got
-
-
-def test_block_table_per_compiler():
-  """Inside compiled_by("triton") the pip-Triton entries replace XLA's (the
-  torch bridge's direct launch); outside, and for other keys, XLA's hold."""
-  from pallas_kernels.flash.config import (BlockSizes, block_sizes_for,
-                                           compiled_by)
-  kw = dict(compute_capability=(9, 0), dtype=jnp.bfloat16, interpret=False)
-  xla_fwd = block_sizes_for(head_dim=128, mode="fwd", **kw)
-  xla_bwd = block_sizes_for(head_dim=128, mode="bwd", **kw)
-  with compiled_by("triton"):
-    assert block_sizes_for(head_dim=128, mode="fwd",
-                           **kw) == BlockSizes(128, 128, 8, 3)
-    assert block_sizes_for(head_dim=128, mode="bwd", **kw) == xla_bwd
-  assert block_sizes_for(head_dim=128, mode="fwd", **kw) == xla_fwd
-  assert xla_fwd != BlockSizes(128, 128, 8, 3)
-  with pytest.raises(ValueError, match="compiler"):
-    with compiled_by("nvcc"):
-      pass

@@ -901,7 +901,6 @@ def test_gpu_deberta_direct_forward_matches_jax_path(monkeypatch):
             for _ in range(2))
   mask = torch.ones(b, s, dtype=torch.int32, device="cuda")
   mask[1, 150:] = 0
-  monkeypatch.setenv("FOLDAX_TORCH_DIRECT_DEBERTA", "1")
 
   def run():
     return attn(q, k, v, pk, pq, attention_mask=mask)

@@ -24,8 +24,7 @@ kernels the JAX path runs, directly:
    stream; what XLA did between the kernels (reshapes, the natural-log LSE,
    zero-initialised accumulators, the sinks' gradient) is done in torch.
 
-The DeBERTa forward (opt-in: FOLDAX_TORCH_DIRECT_DEBERTA=1; no dropout, not
-packed) captures the position-table GEMM and the disentangled forward
+The DeBERTa inference forward (no dropout, not packed) captures the position-table GEMM and the disentangled forward
 kernel of `jax_api.deberta`'s Pallas path the same way (`DebertaPlan`); its
 backward still goes through JAX (the VJP recomputes the forward it
 differentiates).
@@ -48,11 +47,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import tempfile
 import threading
 
 import torch
 
+from pallas_kernels._pip_triton import compile_ttir
 from pallas_kernels._triton_ir import capture_triton_ir, pointer_count
 from torch_bridge import _runtime as rt
 
@@ -154,50 +153,6 @@ def plan(static, q, k, sinks, q_seg=None) -> "DensePlan | None":
 # Capturing and compiling
 # ----------------------------------------------------------------------------
 
-@functools.cache
-def _ir_dir() -> str:
-  return tempfile.mkdtemp(prefix="foldax_ttir_")
-
-
-def _ttir_passes(path: str, target, options: dict) -> str:
-  """The Triton IR after Triton's own TTIR stage (inlining, canonicalising,
-  CSE, loop unrolling: what XLA's pipeline and a `@triton.jit` compile run
-  first). `triton.compile` of an IR file skips that stage, and without it
-  the dK/dV kernel spills 352 bytes per thread on sm_90."""
-  from triton.compiler.compiler import IRSource, make_backend
-  from triton._C.libtriton import ir
-  backend = make_backend(target)
-  opts = backend.parse_options(options)
-  ctx = ir.context()
-  src = IRSource(path, ctx, backend)
-  stages = {}
-  backend.add_stages(stages, opts, src.language)
-  mod = src.module
-  mod.context = ctx
-  return str(stages["ttir"](mod, {}))
-
-
-def compile_ir(name: str, ttir: str, num_warps: int, num_stages: int,
-               cc: tuple[int, int]):
-  """pip Triton's compile of one captured kernel for compute capability cc,
-  every stage included (cached on disk by Triton, keyed on the IR's hash)."""
-  import hashlib
-  import triton
-  from triton.backends.compiler import GPUTarget
-  target = GPUTarget("cuda", cc[0] * 10 + cc[1], 32)
-  options = dict(num_warps=num_warps, num_stages=num_stages)
-  digest = hashlib.sha256(
-      f"{ttir}{num_warps}{num_stages}{cc}".encode()).hexdigest()[:16]
-  path = os.path.join(_ir_dir(), f"{name}_{digest}.ttir")
-  if not os.path.exists(path):
-    raw = path[: -len(".ttir")] + ".raw.ttir"
-    with open(raw, "w") as f:
-      f.write(ttir)
-    with open(path, "w") as f:
-      f.write(_ttir_passes(raw, target, options))
-  return triton.compile(path, target=target, options=options)
-
-
 def _sds(shape, dtype):
   import jax
   return jax.ShapeDtypeStruct(tuple(shape), dtype)
@@ -222,7 +177,7 @@ class _Kernels:
       raise RuntimeError(f"torch_bridge: {name} takes {got} pointers; the "
                          f"direct launch passes {n_ptrs}")
     if self.compile_kernels:
-      self.kernels[name] = compile_ir(name, ttir, num_warps, num_stages, cc)
+      self.kernels[name] = compile_ttir(name, ttir, num_warps, num_stages, cc)
     self.grids[name] = grid
     self.ir[name] = ttir  # last: marks the kernel ready
 
@@ -417,9 +372,7 @@ class _DebertaShape:
 def deberta_eligible(cfg, q, cu, seed) -> bool:
   """The DeBERTa forward can take the direct path: dense [b, s, h, d] CUDA
   tensors on the Pallas backend, no dropout (its seed), not packed."""
-  # Opt-in (FOLDAX_TORCH_DIRECT_DEBERTA=1) until its GPU test has run.
-  return (os.environ.get("FOLDAX_TORCH_DIRECT_DEBERTA", "0") == "1" and
-          cfg.backend == "pallas" and cu is None and seed is None and
+  return (cfg.backend == "pallas" and cu is None and seed is None and
           cfg.dropout_rate == 0.0 and q.is_cuda and q.dim() == 4 and
           q.dtype in (torch.bfloat16, torch.float16, torch.float32) and
           enabled())

@@ -24,6 +24,7 @@ import contextlib
 import json
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -53,7 +54,7 @@ def _median_us(fn, iters, device, warmup=10):
 
 def overhead(batch=1, heads=16, seq=128, head_dim=128, dtype=None,
              device=None, iters=200, causal=True, phases=False,
-             pipeline=False, direct_phases=False) -> dict:
+             pipeline=False, direct_phases=False, profile=0) -> dict:
   import jax
   if device is None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -113,6 +114,9 @@ def overhead(batch=1, heads=16, seq=128, head_dim=128, dtype=None,
   if direct_phases:
     r.update(_direct_phases(q, k, v, do, qg, kg, vg, static, iters, device,
                             bridge_fwd_bwd))
+    r.update(_timeline(qg, kg, vg, do, static, iters, device))
+  if profile:
+    _profile(bridge_fwd_bwd, profile, device)
   if phases:
     # The JAX path's steps: the direct launch (dense on CUDA) is off here.
     with _launch_mode("jax"):
@@ -140,6 +144,26 @@ def _launch_mode(mode: str):
       del os.environ["FOLDAX_TORCH_LAUNCH"]
     else:
       os.environ["FOLDAX_TORCH_LAUNCH"] = old
+
+
+def _profile(fn, iters: int, device) -> None:
+  """Prints where the host time of `iters` calls of fn goes (cProfile, the
+  30 costliest functions by own time and by cumulative time)."""
+  import cProfile
+  import pstats
+  for _ in range(10):
+    fn()
+  _sync(device)
+  prof = cProfile.Profile()
+  prof.enable()
+  for _ in range(iters):
+    fn()
+  _sync(device)
+  prof.disable()
+  st = pstats.Stats(prof, stream=sys.stdout)
+  print(f"--- profile of {iters} bridge forward+backward calls", flush=True)
+  st.sort_stats("tottime").print_stats(30)
+  st.sort_stats("cumulative").print_stats(30)
 
 
 class _Identity(torch.autograd.Function):
@@ -183,6 +207,42 @@ def _direct_phases(q, k, v, do, qg, kg, vg, static, iters, device,
           (qg, kg, vg), do), iters, device)
   r["bridge_fwd_bwd_again_us"] = _median_us(bridge_fwd_bwd, iters, device)
   return r
+
+
+def _timeline(qg, kg, vg, do, static, iters, device) -> dict:
+  """Medians (µs) of the stages of one eager forward+backward through the
+  bridge's autograd.Function, each call synchronised first: the forward
+  call, autograd's hand-off to the backward (autograd.grad's entry to
+  backward()'s), the backward body, and the hand-back to the caller."""
+  marks = {}
+  orig = A._EagerAttn.backward
+
+  def backward(ctx, *grads):
+    marks["bwd_in"] = time.perf_counter()
+    res = orig(ctx, *grads)
+    marks["bwd_out"] = time.perf_counter()
+    return res
+
+  stages = {"t_forward": [], "t_handoff": [], "t_backward": [],
+            "t_handback": []}
+  A._EagerAttn.backward = staticmethod(backward)
+  try:
+    for i in range(iters + 10):
+      _sync(device)
+      t0 = time.perf_counter()
+      out = A._call(qg, kg, vg, None, None, None, None, None, static, False)[0]
+      t1 = time.perf_counter()
+      torch.autograd.grad(out, (qg, kg, vg), do)
+      t2 = time.perf_counter()
+      if i >= 10:
+        for k, v in (("t_forward", t1 - t0),
+                     ("t_handoff", marks["bwd_in"] - t1),
+                     ("t_backward", marks["bwd_out"] - marks["bwd_in"]),
+                     ("t_handback", t2 - marks["bwd_out"])):
+          stages[k].append(v)
+  finally:
+    A._EagerAttn.backward = orig
+  return {f"{k}_us": statistics.median(v) * 1e6 for k, v in stages.items()}
 
 
 def _host_steps(plan, target, q, out_j, static, iters, device) -> dict:
@@ -310,6 +370,42 @@ def _phases(plan, target, q, k, v, do, qg, kg, vg, doj, static, causal, iters,
   return r
 
 
+def _timeline(qg, kg, vg, do, static, iters, device) -> dict:
+  """Medians (µs) of the stages of one eager forward+backward through the
+  bridge's autograd.Function, each call synchronised first: the forward
+  call, autograd's hand-off to the backward (autograd.grad's entry to
+  backward()'s), the backward body, and the hand-back to the caller."""
+  marks = {}
+  orig = A._EagerAttn.backward
+
+  def backward(ctx, *grads):
+    marks["bwd_in"] = time.perf_counter()
+    res = orig(ctx, *grads)
+    marks["bwd_out"] = time.perf_counter()
+    return res
+
+  stages = {"t_forward": [], "t_handoff": [], "t_backward": [],
+            "t_handback": []}
+  A._EagerAttn.backward = staticmethod(backward)
+  try:
+    for i in range(iters + 10):
+      _sync(device)
+      t0 = time.perf_counter()
+      out = A._call(qg, kg, vg, None, None, None, None, None, static, False)[0]
+      t1 = time.perf_counter()
+      torch.autograd.grad(out, (qg, kg, vg), do)
+      t2 = time.perf_counter()
+      if i >= 10:
+        for k, v in (("t_forward", t1 - t0),
+                     ("t_handoff", marks["bwd_in"] - t1),
+                     ("t_backward", marks["bwd_out"] - marks["bwd_in"]),
+                     ("t_handback", t2 - marks["bwd_out"])):
+          stages[k].append(v)
+  finally:
+    A._EagerAttn.backward = orig
+  return {f"{k}_us": statistics.median(v) * 1e6 for k, v in stages.items()}
+
+
 def _pipeline(plan, target, q, k, v, qg, kg, vg, do, static, causal, n,
               device) -> dict:
   """Back-to-back calls without synchronisation (--pipeline): for each
@@ -380,6 +476,9 @@ def main(argv=None):
                  help="also time the parts of a forward+backward")
   p.add_argument("--pipeline", action="store_true",
                  help="also find which step of a call waits for the GPU")
+  p.add_argument("--profile", type=int, default=0, metavar="N",
+                 help="cProfile N bridge forward+backward calls and print "
+                      "the costliest functions")
   p.add_argument("--direct-phases", action="store_true",
                  help="also time the parts of a direct-launch call")
   a = p.parse_args(argv)
@@ -387,7 +486,7 @@ def main(argv=None):
   for s in a.seq:
     r = overhead(a.batch, a.heads, s, a.head_dim, dtype, a.device, a.iters,
                  phases=a.phases, pipeline=a.pipeline,
-                 direct_phases=a.direct_phases)
+                 direct_phases=a.direct_phases, profile=a.profile)
     print(json.dumps({k: (round(v, 1) if isinstance(v, float) else v)
                       for k, v in r.items()}))
 

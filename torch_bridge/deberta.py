@@ -34,10 +34,9 @@ inside the kernel from a seed drawn from torch's generator on each call (so
 `torch.manual_seed` makes runs repeatable); the mask is regenerated in the
 backward, never stored.
 
-Direct launch (opt-in, FOLDAX_TORCH_DIRECT_DEBERTA=1, until GPU-tested): on
-CUDA, an inference forward (no dropout, not packed) launches the Pallas
-kernels' Triton IR on torch's stream instead
-(`torch_bridge._direct.DebertaPlan`).
+Direct launch: on CUDA, an inference forward (no dropout, not packed)
+launches the Pallas kernels' Triton IR on torch's stream instead
+(`torch_bridge._direct.DebertaPlan`; FOLDAX_TORCH_LAUNCH=jax turns it off).
 
 Backward: the JAX VJP of `disentangled_attention` (jitted, per static
 configuration) recomputes the forward it differentiates: one extra forward

@@ -34,6 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _varlen
+from pallas_kernels import _pip_triton
 from pallas_kernels.flash import _tiles
 from pallas_kernels.flash.config import head_dim_bucket
 
@@ -51,9 +52,8 @@ def preprocess_rows(d_pad: int, interpret: bool) -> int:
   return max(16, min(64, 8192 // d_pad))
 
 
-def _params(d_pad: int):
-  return plgpu.CompilerParams(num_warps=4 if d_pad <= 128 else 8,
-                              num_stages=1)
+def _params(d_pad: int, compiler: str = "xla"):
+  return _pip_triton.compiler_params(compiler, 4 if d_pad <= 128 else 8, 1)
 
 
 def _exponent(bound):
@@ -142,14 +142,14 @@ def _segment_max(x, seq_ids, num_seqs: int):
 
 def backward_rows(out, do, dlse, k, v, cu_seqlens_q, cu_seqlens_k, *,
                   softmax_scale: float, max_seqlen_q: int, max_seqlen_k: int,
-                  with_grid: bool, interpret: bool):
+                  with_grid: bool, interpret: bool, compiler: str = "xla"):
   """(delta, exponent or None), each [heads_q, total_q].
 
   out, do: [total_q, heads_q, head_dim]; dlse: float32 [heads_q, total_q] or
   None; k, v: [total_k, heads_kv, head_dim] (read only when with_grid).
   delta is float32 D_i; exponent (with_grid) is int32 e_i, the smallest e
   with bound_i <= 2^e (clipped to [E_MIN, E_MAX]). Both are 0 on rows
-  outside every sequence.
+  outside every sequence. compiler: the backward's (BlockSizes.compiler).
   """
   total_q, heads_q, head_dim = out.shape
   num_seqs = cu_seqlens_q.shape[0] - 1
@@ -176,7 +176,7 @@ def backward_rows(out, do, dlse, k, v, cu_seqlens_q, cu_seqlens_k, *,
         out_specs=krow_spec,
         out_shape=jax.ShapeDtypeStruct((heads_kv, total_k), jnp.float32),
         input_output_aliases={2: 0},
-        compiler_params=_params(d_pad),
+        compiler_params=_params(d_pad, compiler),
         interpret=interpret,
         name="fold_flash_backward_key_norms",
     )(cu_seqlens_k, v, jnp.zeros((heads_kv, total_k), jnp.float32))
@@ -201,7 +201,7 @@ def backward_rows(out, do, dlse, k, v, cu_seqlens_q, cu_seqlens_k, *,
       out_specs=[row_spec] * len(out_shape),
       out_shape=out_shape,
       input_output_aliases={n_in + i: i for i in range(len(out_shape))},
-      compiler_params=_params(d_pad),
+      compiler_params=_params(d_pad, compiler),
       interpret=interpret,
       name="fold_flash_backward_preprocess",
   )(*args)

@@ -50,6 +50,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import _pip_triton
 from pallas_kernels.flash import _preprocess, _tiles
 from pallas_kernels.flash._atomics import relaxed_atomic_add
 from pallas_kernels.flash._tiles import LN2, LOG2E, MaskConfig
@@ -315,7 +316,7 @@ def flash_backward(q, k, v, out, lse2, do, cu_seqlens_q, cu_seqlens_k,
       out, do, dlse, k, v, cu_seqlens_q, cu_seqlens_k,
       softmax_scale=cfg.scale, max_seqlen_q=max_seqlen_q,
       max_seqlen_k=max_seqlen_k, with_grid=dq_mode == "atomic",
-      interpret=interpret)
+      interpret=interpret, compiler=blocks.compiler)
   if dq_mode == "atomic":
     inv_grid = _preprocess.pow2(DQ_GRID_BITS - grid_exp)  # 2^(29 - e)
 
@@ -364,8 +365,8 @@ def flash_backward(q, k, v, out, lse2, do, cu_seqlens_q, cu_seqlens_k,
   kernel = functools.partial(
       _backward_kernel, cfg=cfg, block_q=block_q, block_k=block_k,
       head_dim=head_dim, group=group, dq_mode=dq_mode)
-  params = plgpu.CompilerParams(num_warps=blocks.num_warps,
-                                num_stages=blocks.num_stages)
+  params = _pip_triton.compiler_params(blocks.compiler, blocks.num_warps,
+                                       blocks.num_stages)
   outs = pl.pallas_call(
       kernel,
       grid=(pl.cdiv(max_seqlen_k, block_k), num_seqs, heads_kv),
@@ -399,8 +400,8 @@ def flash_backward(q, k, v, out, lse2, do, cu_seqlens_q, cu_seqlens_k,
                   rows_spec, *seg_specs],
         out_specs=head_spec,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=dqb.num_warps,
-                                             num_stages=dqb.num_stages),
+        compiler_params=_pip_triton.compiler_params(
+            dqb.compiler, dqb.num_warps, dqb.num_stages),
         interpret=interpret,
         name="fold_flash_backward_dq",
     )(cu_seqlens_q, cu_seqlens_k, q, k, v, do, lse2, delta, *seg_args)

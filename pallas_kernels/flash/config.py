@@ -37,6 +37,11 @@ class BlockSizes:
   dq: for the "bwd" (recompute) mode only, the blocks of the separate dQ
     kernel (it owns query tiles, like the forward); None: the same as the
     dK/dV kernel's.
+  compiler: what turns the kernel's Triton IR into GPU code: "xla" (XLA's
+    built-in Triton, what `jax.jit` does for any Pallas kernel) or "triton"
+    (pip Triton, `pallas_kernels._pip_triton`). A field, not a global: the
+    blocks are static arguments of the jitted and custom_vjp functions, so
+    the compiler is part of every trace's cache key.
   """
 
   block_q: int
@@ -44,6 +49,7 @@ class BlockSizes:
   num_warps: int
   num_stages: int
   dq: "BlockSizes | None" = None
+  compiler: str = "xla"
 
   def __post_init__(self):
     for name in ("block_q", "block_k"):
@@ -52,6 +58,9 @@ class BlockSizes:
         raise ValueError(f"{name} must be a power of two >= 16; got {b}.")
     if isinstance(self.dq, dict):  # from a JSON override table
       object.__setattr__(self, "dq", BlockSizes(**self.dq))
+    if self.compiler not in ("xla", "triton"):
+      raise ValueError("compiler must be 'xla' or 'triton'; got "
+                       f"{self.compiler!r}.")
 
   @property
   def dq_blocks(self) -> "BlockSizes":
@@ -63,6 +72,8 @@ class BlockSizes:
                num_warps=self.num_warps, num_stages=self.num_stages)
     if self.dq is not None:
       out["dq"] = self.dq.to_dict()
+    if self.compiler != "xla":
+      out["compiler"] = self.compiler
     return out
 
 
@@ -93,27 +104,35 @@ _TABLE: dict[tuple[int, int, int, str], BlockSizes] = {
     (9, 128, 4, "bwd_atomic"): BlockSizes(32, 64, 4, 1),
     (9, 256, 4, "bwd_atomic"): BlockSizes(16, 32, 4, 1),
 }
-# Entries for kernels compiled by the pip `triton` package instead of XLA
-# (the torch bridge's direct launch, torch_bridge/_direct.py). The same
-# Triton IR gets different register allocation from the two compilers: on
-# the H200 (B2 H16 S8192 D128 causal) 128x128 tiles with 8 warps and 3
-# stages ran 1.30 ms under pip Triton against 1.65 ms under XLA, and the
-# 4-warp 128x64 tile XLA prefers spilled (2.38 ms; that compile skipped
-# Triton's TTIR stage, which the bridge now runs: with it, an sm_90 compile
-# on CPU still spills 56 bytes per thread there, none at 128x128/8 warps);
-# benchmarks/results/h200/triton-compare-2026-12-03. Looked up only inside
-# `compiled_by("triton")`.
+# Entries for kernels compiled by the pip `triton` package instead of XLA's
+# built-in Triton (`pallas_kernels._pip_triton`). The same Triton IR gets
+# different code from the two compilers. Measured on the H200 (B2 H16 S8192
+# D128 causal bf16): the forward at 128x128 tiles, 8 warps, 3 stages runs
+# 1.27 ms compiled by pip Triton against 1.65 ms by XLA, whose best tile
+# (128x64, 4 warps) runs 1.36 ms (benchmarks/results/h200/
+# triton-compare-2026-12-03 and pip-triton-2026-12-03). The backward is the
+# other way round: pip Triton's best dK/dV + dQ pair takes 4.48 ms, XLA's
+# 4.05 ms, so it has no entry here and stays with XLA by default.
 _TRITON_TABLE: dict[tuple[int, int, int, str], BlockSizes] = {
-    (9, 128, 2, "fwd"): BlockSizes(128, 128, 8, 3),
+    (9, 128, 2, "fwd"): BlockSizes(128, 128, 8, 3, compiler="triton"),
 }
-_compiler: contextvars.ContextVar[str] = contextvars.ContextVar(
-    "foldax_kernel_compiler", default="xla")
+Compiler = Literal["xla", "triton"]
+# FOLDAX_KERNEL_COMPILER when nothing else says: "auto" takes a kernel's
+# pip-Triton entry where one exists and pip Triton with jaxlib's Triton
+# call is there, else XLA; "xla" / "triton" use that compiler for every
+# kernel (with the other's tiles where it has no entry of its own).
+DEFAULT_COMPILER = "auto"
+_compiler: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "foldax_kernel_compiler", default=None)
 
 
 @contextlib.contextmanager
-def compiled_by(compiler: Literal["xla", "triton"]):
+def compiled_by(compiler: Compiler):
   """Block sizes looked up inside this context are for kernels compiled by
-  `compiler`: "xla" (jax.jit, the default) or "triton" (pip Triton)."""
+  `compiler` ("xla" or "triton", see BlockSizes.compiler), whatever
+  FOLDAX_KERNEL_COMPILER says. The torch bridge's direct launch, which
+  compiles every kernel with pip Triton itself, looks its blocks up inside
+  compiled_by("triton")."""
   if compiler not in ("xla", "triton"):
     raise ValueError(f"compiler must be 'xla' or 'triton'; got {compiler!r}.")
   token = _compiler.set(compiler)
@@ -121,6 +140,24 @@ def compiled_by(compiler: Literal["xla", "triton"]):
     yield
   finally:
     _compiler.reset(token)
+
+
+def compiler_setting() -> str:
+  """"xla", "triton" or "auto": `compiled_by`'s, else
+  FOLDAX_KERNEL_COMPILER's (default DEFAULT_COMPILER)."""
+  c = _compiler.get()
+  if c is not None:
+    return c
+  c = os.environ.get("FOLDAX_KERNEL_COMPILER", DEFAULT_COMPILER)
+  if c not in ("xla", "triton", "auto"):
+    raise ValueError("FOLDAX_KERNEL_COMPILER must be 'xla', 'triton' or "
+                     f"'auto'; got {c!r}.")
+  return c
+
+
+def _pip_triton_ready() -> bool:
+  from pallas_kernels import _pip_triton
+  return _pip_triton.available() is None
 
 
 # Ampere and others: smaller shared memory than Hopper.
@@ -164,30 +201,42 @@ def block_sizes_for(*, compute_capability: tuple[int, int] | None,
   itemsize = min(4, jnp.dtype(dtype).itemsize)
   major = compute_capability[0] if compute_capability else 8
   override = _override_table()
+  setting = compiler_setting()
+  use_triton = setting == "triton" or (setting == "auto" and
+                                       _pip_triton_ready())
+  look = lambda m: _lookup(override, major, d, itemsize, m, use_triton)
   if mode == "bwd_dq":
     # The dQ kernel of the recompute backward: its own entry, else "bwd"'s.
-    return _lookup(override, major, d, itemsize, "bwd_dq") or \
-        dataclasses.replace(_lookup_or_fallback(override, major, d, itemsize,
-                                                "bwd"), dq=None)
-  bs = _lookup_or_fallback(override, major, d, itemsize, mode)
-  if mode == "bwd" and bs.dq is None:
-    dq = _lookup(override, major, d, itemsize, "bwd_dq")
-    if dq is not None and dataclasses.replace(dq, dq=None) != bs:
-      bs = dataclasses.replace(bs, dq=dataclasses.replace(dq, dq=None))
+    bs = look("bwd_dq") or dataclasses.replace(
+        _lookup_or_fallback(override, major, d, itemsize, "bwd", use_triton),
+        dq=None)
+  else:
+    bs = _lookup_or_fallback(override, major, d, itemsize, mode, use_triton)
+    if mode == "bwd" and bs.dq is None:
+      dq = look("bwd_dq")
+      if dq is not None and dataclasses.replace(dq, dq=None) != bs:
+        bs = dataclasses.replace(bs, dq=dataclasses.replace(dq, dq=None))
+  if setting != "auto":  # one compiler for every kernel
+    bs = with_compiler(bs, setting)
   return bs
 
 
-def _lookup(override, major, d, itemsize, mode):
+def with_compiler(bs: BlockSizes, compiler: str) -> BlockSizes:
+  dq = None if bs.dq is None else with_compiler(bs.dq, compiler)
+  return dataclasses.replace(bs, dq=dq, compiler=compiler)
+
+
+def _lookup(override, major, d, itemsize, mode, use_triton):
   key = (major, d, itemsize, mode)
   if key in override:
     return override[key]
-  if _compiler.get() == "triton" and key in _TRITON_TABLE:
+  if use_triton and key in _TRITON_TABLE:
     return _TRITON_TABLE[key]
   return _TABLE.get(key)
 
 
-def _lookup_or_fallback(override, major, d, itemsize, mode):
-  bs = _lookup(override, major, d, itemsize, mode)
+def _lookup_or_fallback(override, major, d, itemsize, mode, use_triton):
+  bs = _lookup(override, major, d, itemsize, mode, use_triton)
   if bs is not None:
     return bs
   bs = _FALLBACK.get((d, 2, "fwd" if mode == "fwd" else "bwd"))

@@ -34,6 +34,7 @@ from jax.experimental.pallas import triton as plgpu
 # changes a jit cache key and recompiles the first call a second time.
 import jax.experimental.pallas.fuser  # noqa: F401
 
+from pallas_kernels import _pip_triton
 from pallas_kernels.flash import _tiles
 from pallas_kernels.flash._tiles import LOG2E, MaskConfig
 from pallas_kernels.flash.config import BlockSizes, head_dim_bucket
@@ -223,8 +224,8 @@ def flash_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, q_segment_ids=None,
           jax.ShapeDtypeStruct(q.shape, q.dtype),
           jax.ShapeDtypeStruct((heads_q, total_q), jnp.float32),
       ],
-      compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps,
-                                           num_stages=blocks.num_stages),
+      compiler_params=_pip_triton.compiler_params(
+          blocks.compiler, blocks.num_warps, blocks.num_stages),
       interpret=interpret,
       name="fold_flash_forward",
   )(*args)

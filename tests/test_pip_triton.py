@@ -1,0 +1,156 @@
+"""The pip-Triton lowering of the flash kernels (`pallas_kernels._pip_triton`)
+checked on CPU: which compiler a trace gets, the custom call it lowers to
+(for sm_90, GPU query stubbed; pip Triton really compiles the cubins), and
+the protobuf bytes that carry the cubin to jaxlib. Its GPU twins (reference
+match, bitwise determinism, the lowering really taken) are in
+tests/test_dense.py, parametrised by compiler."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels import _pip_triton, _triton_ir
+from pallas_kernels.flash import config
+
+
+def test_block_choice_per_compiler_setting(monkeypatch):
+  """Which compiler each kernel gets, recorded in its (static) blocks:
+  "auto" takes the pip-Triton entries where pip Triton can run (the D128
+  16-bit forward on sm_90) and XLA's elsewhere; "xla" / "triton" (the
+  environment or `compiled_by`, which wins) put every kernel on one."""
+  from pallas_kernels.flash.config import BlockSizes, block_sizes_for
+  kw = dict(compute_capability=(9, 0), dtype=jnp.bfloat16, interpret=False)
+  get = lambda d, mode: block_sizes_for(head_dim=d, mode=mode, **kw)
+  monkeypatch.setattr(config, "_pip_triton_ready", lambda: True)
+  monkeypatch.delenv("FOLDAX_KERNEL_COMPILER", raising=False)
+  assert config.compiler_setting() == config.DEFAULT_COMPILER == "auto"
+  pip_fwd = BlockSizes(128, 128, 8, 3, compiler="triton")
+  assert get(128, "fwd") == pip_fwd
+  xla_bwd = get(128, "bwd")
+  assert xla_bwd.compiler == xla_bwd.dq_blocks.compiler == "xla"
+  assert get(64, "fwd").compiler == "xla"  # no pip-Triton entry
+  with config.compiled_by("xla"):
+    xla_fwd = get(128, "fwd")
+    assert xla_fwd.compiler == "xla" and xla_fwd != pip_fwd
+  monkeypatch.setenv("FOLDAX_KERNEL_COMPILER", "triton")
+  assert get(128, "fwd") == pip_fwd
+  bwd = get(128, "bwd")
+  assert (bwd.block_q, bwd.block_k, bwd.num_warps) == (
+      xla_bwd.block_q, xla_bwd.block_k, xla_bwd.num_warps)
+  assert bwd.compiler == bwd.dq_blocks.compiler == "triton"
+  with config.compiled_by("xla"):  # the context wins over the environment
+    assert get(128, "fwd") == xla_fwd
+  monkeypatch.setenv("FOLDAX_KERNEL_COMPILER", "auto")
+  monkeypatch.setattr(config, "_pip_triton_ready", lambda: False)
+  assert get(128, "fwd") == xla_fwd  # auto without pip Triton
+  monkeypatch.setenv("FOLDAX_KERNEL_COMPILER", "nvcc")
+  with pytest.raises(ValueError, match="FOLDAX_KERNEL_COMPILER"):
+    get(128, "fwd")
+  with pytest.raises(ValueError, match="compiler"):
+    with config.compiled_by("nvcc"):
+      pass
+  with pytest.raises(ValueError, match="compiler"):
+    BlockSizes(64, 64, 4, 2, compiler="nvcc")
+
+
+def test_compiler_params_by_compiler():
+  assert type(_pip_triton.compiler_params("xla", 4, 2)).__name__ == \
+      "CompilerParams"
+  p = _pip_triton.compiler_params("triton", 8, 3)
+  assert isinstance(p, _pip_triton.PipTritonCompilerParams)
+  assert (p.num_warps, p.num_stages) == (8, 3)
+
+
+def test_protobuf_wire_format():
+  """Known encodings (protobuf's encoding guide): varint 300, a string."""
+  assert _pip_triton._varint(1) == b"\x01"
+  assert _pip_triton._varint(300) == b"\xac\x02"
+  assert _pip_triton._field(2, b"testing") == b"\x12\x07testing"
+  assert _pip_triton._field_u32(3, 150) == b"\x18\x96\x01"
+
+
+def _stub_sm90(monkeypatch):
+  from jax._src.pallas.triton import gpu_info
+  from jax._src.pallas.triton import pallas_call_registration as reg
+  monkeypatch.setattr(
+      reg.gpu_info_lib, "get_gpu_info",
+      lambda *a, **k: gpu_info.GpuInfo(gpu_version=gpu_info.GpuVersion.H200,
+                                       arch_name="9.0",
+                                       compute_capability=90))
+
+
+def test_flash_kernels_lower_to_jaxlib_triton_call(monkeypatch):
+  """Blocks for pip Triton: the forward and the recompute backward lower to `triton_kernel_call_ffi` custom calls (none to XLA's Triton
+  compile), each with a pip-Triton cubin for sm_90, as many pointer
+  arguments as the call has buffers, and Pallas' grid. Capturing IR
+  (the torch bridge) still goes through Pallas' own rule."""
+  pytest.importorskip("triton")
+  from pallas_kernels.flash._tiles import MaskConfig
+  from pallas_kernels.flash.backward import flash_backward
+  from pallas_kernels.flash.forward import flash_forward
+  _stub_sm90(monkeypatch)
+  monkeypatch.setattr(_pip_triton, "available", lambda: None)
+  calls = []
+
+  def opaque(compiled, num_warps, grid, n_buffers, cc, name):
+    calls.append(dict(name=name, warps=num_warps, grid=grid, cc=cc,
+                      n=n_buffers, cubin=len(compiled.asm["cubin"]),
+                      ptrs=_triton_ir.pointer_count(compiled.asm["ttir"])))
+    return name.encode()
+
+  monkeypatch.setattr(_pip_triton, "kernel_call_opaque", opaque)
+  sds = jax.ShapeDtypeStruct
+  t, hq, hkv, d = 256, 4, 2, 64
+  q, kv = sds((t, hq, d), jnp.bfloat16), sds((t, hkv, d), jnp.bfloat16)
+  cu, rows = sds((3,), jnp.int32), sds((hq, t), jnp.float32)
+  cfg = MaskConfig.make(causal=True, window_size=(-1, -1), has_segments=False,
+                        softcap=0.0, scale=0.125)
+  blocks = config.BlockSizes(64, 64, 4, 2, compiler="triton")
+  fwd = jax.jit(lambda *a: flash_forward(*a, cfg=cfg, blocks=blocks,
+                                         max_seqlen_q=128))
+  bwd = jax.jit(lambda *a: flash_backward(
+      *a, cfg=cfg, blocks=blocks, max_seqlen_q=128, max_seqlen_k=128,
+      dq_mode="recompute"))
+  texts = [
+      fwd.trace(q, kv, kv, cu, cu).lower(
+          lowering_platforms=("cuda",)).as_text(),
+      bwd.trace(q, kv, kv, q, rows, q, cu, cu).lower(
+          lowering_platforms=("cuda",)).as_text()]
+  captured = _triton_ir.capture_triton_ir(
+      jax.jit(lambda *a: flash_forward(*a, cfg=cfg, blocks=blocks,
+                                       max_seqlen_q=128)),
+      (q, kv, kv, cu, cu))
+  text = "\n".join(texts)
+  assert text.count("triton_kernel_call_ffi") == 4
+  assert "__gpu$xla.gpu.triton" not in text
+  names = [c["name"] for c in calls]
+  assert names == ["fold_flash_forward", "fold_flash_backward_preprocess",
+                   "fold_flash_backward_dkdv", "fold_flash_backward_dq"]
+  for c in calls:
+    assert c["cc"] == 90 and c["cubin"] > 0 and c["ptrs"] == c["n"], c
+  assert calls[0]["grid"] == (2, 2, hq) and calls[0]["warps"] == 4
+  assert calls[2]["grid"] == (2, 2, hkv)
+  # The capture ran Pallas' rule: no further pip-Triton compile.
+  assert [n for n, _, _ in captured] == ["fold_flash_forward"]
+  assert len(calls) == 4
+
+
+def test_unavailable_pip_triton_is_an_error(monkeypatch):
+  """Asked for pip Triton where it cannot run: a clear error at lowering,
+  not a silent XLA compile."""
+  from pallas_kernels.flash._tiles import MaskConfig
+  from pallas_kernels.flash.forward import flash_forward
+  _stub_sm90(monkeypatch)
+  monkeypatch.setattr(_pip_triton, "available", lambda: "no CUDA plugin")
+  sds = jax.ShapeDtypeStruct
+  q = sds((64, 2, 64), jnp.bfloat16)
+  cu = sds((2,), jnp.int32)
+  cfg = MaskConfig.make(causal=False, window_size=(-1, -1),
+                        has_segments=False, softcap=0.0, scale=0.125)
+  blocks = config.BlockSizes(64, 64, 4, 2, compiler="triton")
+  fwd = jax.jit(lambda *a: flash_forward(*a, cfg=cfg, blocks=blocks,
+                                         max_seqlen_q=64))
+  with pytest.raises(RuntimeError, match="no CUDA plugin"):
+    fwd.trace(q, q, q, cu, cu).lower(lowering_platforms=("cuda",))
