@@ -30,7 +30,10 @@ def test_block_choice_per_compiler_setting(monkeypatch):
   assert get(128, "fwd") == pip_fwd
   xla_bwd = get(128, "bwd")
   assert xla_bwd.compiler == xla_bwd.dq_blocks.compiler == "xla"
-  assert get(64, "fwd").compiler == "xla"  # no pip-Triton entry
+  assert get(64, "fwd").compiler == "triton"
+  assert block_sizes_for(  # no pip-Triton entry for fp32
+      head_dim=128, mode="fwd", compute_capability=(9, 0),
+      dtype=jnp.float32, interpret=False).compiler == "xla"
   with config.compiled_by("xla"):
     xla_fwd = get(128, "fwd")
     assert xla_fwd.compiler == "xla" and xla_fwd != pip_fwd
