@@ -297,9 +297,29 @@ def test_deberta_swap_keeps_weights_and_names(deberta_pair):
   a, b = eager.state_dict(), fold.state_dict()
   assert a.keys() == b.keys()
   assert all(torch.equal(a[k], b[k]) for k in a)
+  # The encoder no longer builds HF's [b, 1, s, s] mask and relative
+  # positions (the fold attention needs neither).
+  fold_enc = torch_bridge.deberta.FoldDebertaV2Encoder
+  assert sum(isinstance(m, fold_enc) for m in fold.modules()) == 1
   back = torch_bridge.deberta.restore(copy.deepcopy(fold))
-  assert not any(isinstance(m, torch_bridge.deberta.FoldDisentangledSelfAttention)
+  assert not any(isinstance(m, (torch_bridge.deberta.FoldDisentangledSelfAttention,
+                                fold_enc))
                  for m in back.modules())
+
+
+def test_deberta_fallback_to_hf_attention_matches_eager(deberta_pair):
+  """output_attentions=True needs HF's attention: it gets back the
+  [b, 1, s, s] mask and relative positions the swapped encoder skips."""
+  eager, fold = deberta_pair
+  ids, am = _batch("right")
+  with torch.no_grad():
+    ref = eager(input_ids=ids, attention_mask=am, output_attentions=True)
+    out = fold(input_ids=ids, attention_mask=am, output_attentions=True)
+  valid = am.bool()
+  torch.testing.assert_close(out.logits[valid], ref.logits[valid], atol=2e-5,
+                             rtol=2e-5)
+  for a, r in zip(out.attentions, ref.attentions):
+    torch.testing.assert_close(a, r, atol=1e-6, rtol=1e-5)
 
 
 def test_deberta_logits_and_gradients_match_eager(deberta_pair):

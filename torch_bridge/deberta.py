@@ -324,6 +324,11 @@ class FoldDisentangledSelfAttention(torch.nn.Module):
       rt.announce("torch_bridge.deberta: this call needs HF's own attention "
                   "(output_attentions, query_states, a custom mask or a "
                   "packed batch of more than one row); falling back.")
+      if attention_mask is not None and attention_mask.dim() <= 2:
+        # The swapped encoder passes the [b, s] mask on as it is (see
+        # FoldDebertaV2Encoder); HF's attention wants its [b, 1, s, s].
+        m = attention_mask.reshape(b, 1, 1, s)
+        attention_mask = m * m.squeeze(-2).unsqueeze(-1)
       return hf.forward(self, hidden_states, attention_mask,
                         output_attentions, query_states, relative_pos,
                         rel_embeddings)
@@ -361,13 +366,39 @@ class FoldDisentangledSelfAttention(torch.nn.Module):
     return out.reshape(b, s, h * d), None
 
 
+def _hf_encoder_class():
+  from transformers.models.deberta_v2.modeling_deberta_v2 import \
+      DebertaV2Encoder
+  return DebertaV2Encoder
+
+
+class FoldDebertaV2Encoder(torch.nn.Module):
+  """Set as the class of HF `DebertaV2Encoder` instances by
+  `optimize_deberta`. HF's encoder builds, before its first layer, a
+  [b, 1, s, s] mask and the [1, s, s] bucketed relative positions (the
+  latter with CPU scalars that make the host wait for the GPU); the fold
+  attention needs neither (it takes the [b, s] token mask and computes
+  relative positions in the kernel), so they are not built. HF's own
+  attention, where a call falls back to it, rebuilds both."""
+
+  def get_attention_mask(self, attention_mask):
+    if attention_mask.dim() <= 2:
+      return attention_mask
+    return super().get_attention_mask(attention_mask)
+
+  def get_rel_pos(self, hidden_states, query_states=None, relative_pos=None):
+    if query_states is None and relative_pos is None:
+      return None
+    return super().get_rel_pos(hidden_states, query_states, relative_pos)
+
+
 _swapped: dict = {}
 
 
-def _fold_class(cls):
+def _fold_class(cls, fold=None):
+  fold = fold or FoldDisentangledSelfAttention
   if cls not in _swapped:
-    _swapped[cls] = type(f"Fold{cls.__name__}",
-                         (FoldDisentangledSelfAttention, cls),
+    _swapped[cls] = type(f"Fold{cls.__name__}", (fold, cls),
                          {"_foldax_original": cls})
   return _swapped[cls]
 
@@ -385,16 +416,22 @@ def optimize_deberta(model: torch.nn.Module) -> torch.nn.Module:
                         for m in model.modules()):
     raise ValueError("optimize_deberta found no DisentangledSelfAttention "
                      "module (is this a DeBERTa-v2/v3 model?).")
+  enc = _hf_encoder_class()
+  for m in model.modules():
+    if isinstance(m, enc) and not isinstance(m, FoldDebertaV2Encoder) and all(
+        isinstance(a, FoldDisentangledSelfAttention)
+        for a in m.modules() if isinstance(a, hf)):
+      m.__class__ = _fold_class(type(m), FoldDebertaV2Encoder)
   return model
 
 
 def restore(model: torch.nn.Module) -> torch.nn.Module:
   """Undoes `optimize_deberta`."""
   for m in model.modules():
-    if isinstance(m, FoldDisentangledSelfAttention):
+    if isinstance(m, (FoldDisentangledSelfAttention, FoldDebertaV2Encoder)):
       m.__class__ = m._foldax_original
   return model
 
 
 __all__ = ["optimize_deberta", "restore", "packed", "disentangled_attention",
-           "FoldDisentangledSelfAttention"]
+           "FoldDisentangledSelfAttention", "FoldDebertaV2Encoder"]
