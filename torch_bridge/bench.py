@@ -209,42 +209,6 @@ def _direct_phases(q, k, v, do, qg, kg, vg, static, iters, device,
   return r
 
 
-def _timeline(qg, kg, vg, do, static, iters, device) -> dict:
-  """Medians (µs) of the stages of one eager forward+backward through the
-  bridge's autograd.Function, each call synchronised first: the forward
-  call, autograd's hand-off to the backward (autograd.grad's entry to
-  backward()'s), the backward body, and the hand-back to the caller."""
-  marks = {}
-  orig = A._EagerAttn.backward
-
-  def backward(ctx, *grads):
-    marks["bwd_in"] = time.perf_counter()
-    res = orig(ctx, *grads)
-    marks["bwd_out"] = time.perf_counter()
-    return res
-
-  stages = {"t_forward": [], "t_handoff": [], "t_backward": [],
-            "t_handback": []}
-  A._EagerAttn.backward = staticmethod(backward)
-  try:
-    for i in range(iters + 10):
-      _sync(device)
-      t0 = time.perf_counter()
-      out = A._call(qg, kg, vg, None, None, None, None, None, static, False)[0]
-      t1 = time.perf_counter()
-      torch.autograd.grad(out, (qg, kg, vg), do)
-      t2 = time.perf_counter()
-      if i >= 10:
-        for k, v in (("t_forward", t1 - t0),
-                     ("t_handoff", marks["bwd_in"] - t1),
-                     ("t_backward", marks["bwd_out"] - marks["bwd_in"]),
-                     ("t_handback", t2 - marks["bwd_out"])):
-          stages[k].append(v)
-  finally:
-    A._EagerAttn.backward = orig
-  return {f"{k}_us": statistics.median(v) * 1e6 for k, v in stages.items()}
-
-
 def _host_steps(plan, target, q, out_j, static, iters, device) -> dict:
   """Host cost of each step of a bridge call (--phases), back to back
   without device synchronisation (mean per call, µs): what to trim."""
