@@ -87,7 +87,7 @@ def _announce_compilers(fwd: BlockSizes, bwd: BlockSizes) -> None:
   where pip Triton would have compiled one but cannot, why not)."""
   from pallas_kernels import _pip_triton
   from pallas_kernels.flash.config import compiler_setting
-  why = _pip_triton.available() if compiler_setting() == "auto" else None
+  why = _pip_triton.auto_ready() if compiler_setting() == "auto" else None
   dq = bwd.dq_blocks.compiler
   _backend._announce(
       f"jax_api: flash kernels compiled by forward={fwd.compiler}, "

@@ -57,6 +57,27 @@ def compiler_params(compiler: str, num_warps: int,
   return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
+# The pip Triton the pip-Triton table entries were measured with; "auto"
+# uses pip Triton only with this minor version (other versions: set
+# FOLDAX_KERNEL_COMPILER=triton explicitly).
+TESTED_TRITON = (3, 6)
+
+
+@functools.cache
+def auto_ready() -> str | None:
+  """None if FOLDAX_KERNEL_COMPILER=auto may use pip Triton here, else why
+  not (one line)."""
+  why = available()
+  if why is not None:
+    return why
+  import triton
+  got = tuple(int(x) for x in triton.__version__.split(".")[:2])
+  if got != TESTED_TRITON:
+    return (f"pip triton {triton.__version__} is not the tested "
+            f"{TESTED_TRITON[0]}.{TESTED_TRITON[1]}")
+  return None
+
+
 @functools.cache
 def available() -> str | None:
   """None if pip Triton and jaxlib's Triton call can serve this process,
@@ -211,7 +232,20 @@ def _lowering(ctx, *in_nodes, jaxpr, grid_mapping, compiler_params,
   num_warps = compiler_params.num_warps or 4
   num_stages = compiler_params.num_stages or 3
   cc_pair = (cc // 10, cc % 10) if isinstance(cc, int) else tuple(cc)
-  compiled = compile_ttir(name, ttir, num_warps, num_stages, cc_pair)
+  try:
+    compiled = compile_ttir(name, ttir, num_warps, num_stages, cc_pair)
+  except Exception as e:  # noqa: BLE001
+    from pallas_kernels.flash.config import compiler_setting
+    if compiler_setting() != "auto":
+      raise
+    # Asked for "auto": say so once, and let XLA compile this kernel.
+    _warn_once(f"pallas_kernels: pip Triton could not compile {name} "
+               f"({type(e).__name__}: {str(e)[:200]}); XLA compiles it "
+               "instead (FOLDAX_KERNEL_COMPILER=auto).")
+    return pallas_rule.pallas_call_lowering(
+        ctx, *in_nodes, jaxpr=jaxpr, grid_mapping=grid_mapping,
+        compiler_params=compiler_params,
+        input_output_aliases=input_output_aliases, debug=debug, **params)
   grid = pallas_rule.normalize_grid(result.grid)
   opaque = kernel_call_opaque(compiled, num_warps, grid, n_buffers,
                               cc_pair[0] * 10 + cc_pair[1], name)
@@ -219,6 +253,16 @@ def _lowering(ctx, *in_nodes, jaxpr, grid_mapping, compiler_params,
       "triton_kernel_call_ffi", api_version=4,
       operand_output_aliases=dict(input_output_aliases))
   return rule(ctx, *in_nodes, opaque=opaque)
+
+
+_warned: set = set()
+
+
+def _warn_once(msg: str) -> None:
+  if msg not in _warned:
+    _warned.add(msg)
+    import logging
+    logging.getLogger("pallas_kernels").warning(msg)
 
 
 @functools.cache

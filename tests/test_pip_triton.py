@@ -157,3 +157,57 @@ def test_unavailable_pip_triton_is_an_error(monkeypatch):
                                          max_seqlen_q=64))
   with pytest.raises(RuntimeError, match="no CUDA plugin"):
     fwd.trace(q, q, q, cu, cu).lower(lowering_platforms=("cuda",))
+
+
+def test_compile_failure_under_auto_falls_back_once(monkeypatch, caplog):
+  """With FOLDAX_KERNEL_COMPILER=auto a kernel pip Triton cannot compile is
+  compiled by XLA instead, said once; asked for "triton", it is an error."""
+  import logging
+  from pallas_kernels.flash._tiles import MaskConfig
+  from pallas_kernels.flash.forward import flash_forward
+  _stub_sm90(monkeypatch)
+  monkeypatch.setattr(_pip_triton, "available", lambda: None)
+
+  def broken(*a, **k):
+    raise RuntimeError("ptxas exploded")
+
+  monkeypatch.setattr(_pip_triton, "compile_ttir", broken)
+  sds = jax.ShapeDtypeStruct
+  q = sds((64, 2, 64), jnp.bfloat16)
+  cu = sds((2,), jnp.int32)
+  cfg = MaskConfig.make(causal=False, window_size=(-1, -1),
+                        has_segments=False, softcap=0.0, scale=0.125)
+  blocks = config.BlockSizes(64, 64, 4, 2, compiler="triton")
+
+  def lower():
+    fwd = jax.jit(lambda *a: flash_forward(*a, cfg=cfg, blocks=blocks,
+                                           max_seqlen_q=64))
+    return fwd.trace(q, q, q, cu, cu).lower(
+        lowering_platforms=("cuda",)).as_text()
+
+  monkeypatch.setenv("FOLDAX_KERNEL_COMPILER", "auto")
+  with caplog.at_level(logging.WARNING, logger="pallas_kernels"):
+    text = lower()
+    lower()
+  assert "__gpu$xla.gpu.triton" in text
+  assert "triton_kernel_call_ffi" not in text
+  said = [r for r in caplog.records if "ptxas exploded" in r.getMessage()]
+  assert len(said) == 1
+  monkeypatch.setenv("FOLDAX_KERNEL_COMPILER", "triton")
+  with pytest.raises(RuntimeError, match="ptxas exploded"):
+    lower()
+
+
+def test_auto_needs_the_tested_triton(monkeypatch):
+  pytest.importorskip("triton")
+  import triton
+  monkeypatch.setattr(_pip_triton, "available", lambda: None)
+  _pip_triton.auto_ready.cache_clear()
+  try:
+    monkeypatch.setattr(triton, "__version__", "3.9.1")
+    assert "3.9.1" in _pip_triton.auto_ready()
+    _pip_triton.auto_ready.cache_clear()
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    assert _pip_triton.auto_ready() is None
+  finally:
+    _pip_triton.auto_ready.cache_clear()

@@ -160,7 +160,7 @@ def compiler_setting() -> str:
 
 def _pip_triton_ready() -> bool:
   from pallas_kernels import _pip_triton
-  return _pip_triton.available() is None
+  return _pip_triton.auto_ready() is None
 
 
 # Ampere and others: smaller shared memory than Hopper.
