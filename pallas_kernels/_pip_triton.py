@@ -205,12 +205,16 @@ def _lowering(ctx, *in_nodes, jaxpr, grid_mapping, compiler_params,
   from jax._src.pallas.triton import gpu_info as gpu_info_lib
   from jax._src.pallas.triton import lowering
   from jax._src.pallas.triton import pallas_call_registration as pallas_rule
-  if _triton_ir.capturing():
-    # Lowered only to capture the IR (no GPU needed): Pallas' own rule.
+
+  def pallas_own_rule():  # XLA compiles the same IR
     return pallas_rule.pallas_call_lowering(
         ctx, *in_nodes, jaxpr=jaxpr, grid_mapping=grid_mapping,
         compiler_params=compiler_params,
         input_output_aliases=input_output_aliases, debug=debug, **params)
+
+  if _triton_ir.capturing():
+    # Lowered only to capture the IR (no GPU needed).
+    return pallas_own_rule()
   why = available()
   if why is not None:
     raise RuntimeError(
@@ -242,10 +246,7 @@ def _lowering(ctx, *in_nodes, jaxpr, grid_mapping, compiler_params,
     _warn_once(f"pallas_kernels: pip Triton could not compile {name} "
                f"({type(e).__name__}: {str(e)[:200]}); XLA compiles it "
                "instead (FOLDAX_KERNEL_COMPILER=auto).")
-    return pallas_rule.pallas_call_lowering(
-        ctx, *in_nodes, jaxpr=jaxpr, grid_mapping=grid_mapping,
-        compiler_params=compiler_params,
-        input_output_aliases=input_output_aliases, debug=debug, **params)
+    return pallas_own_rule()
   grid = pallas_rule.normalize_grid(result.grid)
   opaque = kernel_call_opaque(compiled, num_warps, grid, n_buffers,
                               cc_pair[0] * 10 + cc_pair[1], name)
