@@ -374,17 +374,6 @@ def test_geometry_standard_config():
 # Triton lowering on CPU (no GPU): the kernels lower for an H200.
 
 
-@pytest.fixture
-def fake_h200(monkeypatch):
-  from jax._src.pallas.triton import gpu_info
-  from jax._src.pallas.triton import pallas_call_registration as pcr
-  monkeypatch.setattr(
-      pcr.gpu_info_lib, "get_gpu_info",
-      lambda *a, **k: gpu_info.GpuInfo(gpu_version=gpu_info.GpuVersion.H200,
-                                       arch_name="9.0",
-                                       compute_capability=90))
-
-
 @pytest.mark.parametrize("dtype,head_dim,types,masked,rate", [
     (jnp.bfloat16, 64, ("c2p", "p2c"), True, 0.1),
     (jnp.float16, 128, ("c2p",), False, 0.0),

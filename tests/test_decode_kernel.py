@@ -288,13 +288,8 @@ def test_v8_matches_model_and_bf16():
   assert full < 2e-3 and full < coarse < 6e-2
 
 
-def test_lowers_for_triton_on_cpu(monkeypatch):
+def test_lowers_for_triton_on_cpu(fake_h200):
   """The decode kernels lower to Triton IR (what the GPU compiles)."""
-  from jax._src.pallas.triton import gpu_info, pallas_call_registration
-  monkeypatch.setattr(
-      pallas_call_registration.gpu_info_lib, "get_gpu_info",
-      lambda *a, **k: gpu_info.GpuInfo(gpu_version=gpu_info.GpuVersion.H200,
-                                       arch_name="9.0", compute_capability=90))
   sds = jax.ShapeDtypeStruct
   b, hq, hkv, page, n_pages, mp = 4, 32, 8, 256, 64, 8
   for d, dtype, q_len, depth, v8, sinks in (

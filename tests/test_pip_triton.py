@@ -74,17 +74,7 @@ def test_protobuf_wire_format():
   assert _pip_triton._field_u32(3, 150) == b"\x18\x96\x01"
 
 
-def _stub_sm90(monkeypatch):
-  from jax._src.pallas.triton import gpu_info
-  from jax._src.pallas.triton import pallas_call_registration as reg
-  monkeypatch.setattr(
-      reg.gpu_info_lib, "get_gpu_info",
-      lambda *a, **k: gpu_info.GpuInfo(gpu_version=gpu_info.GpuVersion.H200,
-                                       arch_name="9.0",
-                                       compute_capability=90))
-
-
-def test_flash_kernels_lower_to_jaxlib_triton_call(monkeypatch):
+def test_flash_kernels_lower_to_jaxlib_triton_call(fake_h200, monkeypatch):
   """Blocks for pip Triton: the forward and the recompute backward lower to `triton_kernel_call_ffi` custom calls (none to XLA's Triton
   compile), each with a pip-Triton cubin for sm_90, as many pointer
   arguments as the call has buffers, and Pallas' grid. Capturing IR
@@ -93,7 +83,6 @@ def test_flash_kernels_lower_to_jaxlib_triton_call(monkeypatch):
   from pallas_kernels.flash._tiles import MaskConfig
   from pallas_kernels.flash.backward import flash_backward
   from pallas_kernels.flash.forward import flash_forward
-  _stub_sm90(monkeypatch)
   monkeypatch.setattr(_pip_triton, "available", lambda: None)
   calls = []
 
@@ -140,13 +129,11 @@ def test_flash_kernels_lower_to_jaxlib_triton_call(monkeypatch):
   assert len(calls) == 4
 
 
-def test_unavailable_pip_triton_is_an_error(monkeypatch):
-  """Asked for pip Triton where it cannot run: a clear error at lowering,
-  not a silent XLA compile."""
+def _lower_small_forward() -> str:
+  """StableHLO of a small non-causal forward whose blocks ask for pip
+  Triton, lowered for CUDA (fresh jit: Pallas' lowering really runs)."""
   from pallas_kernels.flash._tiles import MaskConfig
   from pallas_kernels.flash.forward import flash_forward
-  _stub_sm90(monkeypatch)
-  monkeypatch.setattr(_pip_triton, "available", lambda: "no CUDA plugin")
   sds = jax.ShapeDtypeStruct
   q = sds((64, 2, 64), jnp.bfloat16)
   cu = sds((2,), jnp.int32)
@@ -155,47 +142,40 @@ def test_unavailable_pip_triton_is_an_error(monkeypatch):
   blocks = config.BlockSizes(64, 64, 4, 2, compiler="triton")
   fwd = jax.jit(lambda *a: flash_forward(*a, cfg=cfg, blocks=blocks,
                                          max_seqlen_q=64))
+  return fwd.trace(q, q, q, cu, cu).lower(
+      lowering_platforms=("cuda",)).as_text()
+
+
+def test_unavailable_pip_triton_is_an_error(fake_h200, monkeypatch):
+  """Asked for pip Triton where it cannot run: a clear error at lowering,
+  not a silent XLA compile."""
+  monkeypatch.setattr(_pip_triton, "available", lambda: "no CUDA plugin")
   with pytest.raises(RuntimeError, match="no CUDA plugin"):
-    fwd.trace(q, q, q, cu, cu).lower(lowering_platforms=("cuda",))
+    _lower_small_forward()
 
 
-def test_compile_failure_under_auto_falls_back_once(monkeypatch, caplog):
+def test_compile_failure_under_auto_falls_back_once(fake_h200, monkeypatch,
+                                                    caplog):
   """With FOLDAX_KERNEL_COMPILER=auto a kernel pip Triton cannot compile is
   compiled by XLA instead, said once; asked for "triton", it is an error."""
   import logging
-  from pallas_kernels.flash._tiles import MaskConfig
-  from pallas_kernels.flash.forward import flash_forward
-  _stub_sm90(monkeypatch)
   monkeypatch.setattr(_pip_triton, "available", lambda: None)
 
   def broken(*a, **k):
     raise RuntimeError("ptxas exploded")
 
   monkeypatch.setattr(_pip_triton, "compile_ttir", broken)
-  sds = jax.ShapeDtypeStruct
-  q = sds((64, 2, 64), jnp.bfloat16)
-  cu = sds((2,), jnp.int32)
-  cfg = MaskConfig.make(causal=False, window_size=(-1, -1),
-                        has_segments=False, softcap=0.0, scale=0.125)
-  blocks = config.BlockSizes(64, 64, 4, 2, compiler="triton")
-
-  def lower():
-    fwd = jax.jit(lambda *a: flash_forward(*a, cfg=cfg, blocks=blocks,
-                                           max_seqlen_q=64))
-    return fwd.trace(q, q, q, cu, cu).lower(
-        lowering_platforms=("cuda",)).as_text()
-
   monkeypatch.setenv("FOLDAX_KERNEL_COMPILER", "auto")
   with caplog.at_level(logging.WARNING, logger="pallas_kernels"):
-    text = lower()
-    lower()
+    text = _lower_small_forward()
+    _lower_small_forward()
   assert "__gpu$xla.gpu.triton" in text
   assert "triton_kernel_call_ffi" not in text
   said = [r for r in caplog.records if "ptxas exploded" in r.getMessage()]
   assert len(said) == 1
   monkeypatch.setenv("FOLDAX_KERNEL_COMPILER", "triton")
   with pytest.raises(RuntimeError, match="ptxas exploded"):
-    lower()
+    _lower_small_forward()
 
 
 def test_auto_needs_the_tested_triton(monkeypatch):

@@ -742,17 +742,6 @@ def test_direct_launch_eligibility(monkeypatch):
     _direct.enabled()
 
 
-def _lower_for_sm90(monkeypatch):
-  """Lets Pallas lower for CUDA (sm_90, an H200) on a machine without one."""
-  from jax._src.pallas.triton import gpu_info
-  from jax._src.pallas.triton import pallas_call_registration as reg
-  monkeypatch.setattr(
-      reg.gpu_info_lib, "get_gpu_info",
-      lambda *a, **k: gpu_info.GpuInfo(gpu_version=gpu_info.GpuVersion.H200,
-                                       arch_name="9.0",
-                                       compute_capability=90))
-
-
 def test_direct_launch_failure_is_said_once_and_falls_back(caplog):
   """A plan that cannot be built is tried once; the error is logged once
   and the calls take the general path (plan None)."""
@@ -777,7 +766,7 @@ def test_direct_launch_failure_is_said_once_and_falls_back(caplog):
 
 @pytest.mark.parametrize("has_sinks,has_segments,compile_kernels", [
     (False, False, True), (True, False, False), (False, True, False)])
-def test_direct_launch_captures_every_kernel(monkeypatch, has_sinks,
+def test_direct_launch_captures_every_kernel(fake_h200, monkeypatch, has_sinks,
                                              has_segments, compile_kernels):
   """The direct launch's contract with Pallas' lowering, checked on CPU for
   sm_90 (GPU query stubbed): each kernel of the dense forward and backward
@@ -786,7 +775,6 @@ def test_direct_launch_captures_every_kernel(monkeypatch, has_sinks,
   if compile_kernels:
     pytest.importorskip("triton")
   from torch_bridge import _direct
-  _lower_for_sm90(monkeypatch)
   static = ("pallas", True, 64, 0, 0.0, 0.125, 0, 0, False)
   shape = _direct._Shape(2, 96, 80, 8, 2, 64, torch.bfloat16, has_sinks,
                          has_segments)
@@ -858,7 +846,7 @@ def test_gpu_direct_launch_matches_jax_path(monkeypatch, causal, window,
 @pytest.mark.parametrize("c2p,p2c,has_mask,compile_kernels", [
     (True, True, True, True), (True, False, False, False),
     (False, True, True, False)])
-def test_direct_launch_captures_deberta_kernels(monkeypatch, c2p, p2c,
+def test_direct_launch_captures_deberta_kernels(fake_h200, monkeypatch, c2p, p2c,
                                                 has_mask, compile_kernels):
   """The DeBERTa direct forward's contract with Pallas' lowering, on CPU for
   sm_90 (GPU queries stubbed): the position-table GEMM (once per position
@@ -870,7 +858,6 @@ def test_direct_launch_captures_deberta_kernels(monkeypatch, c2p, p2c,
   import jax_api.deberta.attention
   from torch_bridge import _direct
   from torch_bridge.deberta import DebertaConfig
-  _lower_for_sm90(monkeypatch)
   for mod in (jax_api._backend, jax_api.deberta.attention):
     monkeypatch.setattr(mod, "_gpu_capability", lambda: (9, 0))
   cfg = DebertaConfig("pallas", 32, 64, c2p, p2c, 0.0, 0)
