@@ -85,15 +85,20 @@ def _kernel_plan(head_dim: int, dtype, interpret: bool):
 def _announce_compilers(fwd: BlockSizes, bwd: BlockSizes) -> None:
   """Says once per combination which compiler builds the kernels (and,
   where pip Triton would have compiled one but cannot, why not)."""
-  from pallas_kernels import _pip_triton
   from pallas_kernels.flash.config import compiler_setting
-  why = _pip_triton.auto_ready() if compiler_setting() == "auto" else None
-  dq = bwd.dq_blocks.compiler
+  _announce_compilers_once(fwd.compiler, bwd.compiler,
+                           bwd.dq_blocks.compiler, compiler_setting())
+
+
+@functools.cache
+def _announce_compilers_once(fwd: str, bwd: str, dq: str,
+                             setting: str) -> None:
+  from pallas_kernels import _pip_triton
+  why = _pip_triton.auto_ready() if setting == "auto" else None
   _backend._announce(
-      f"jax_api: flash kernels compiled by forward={fwd.compiler}, "
-      f"backward={bwd.compiler}/dq={dq} (FOLDAX_KERNEL_COMPILER="
-      f"{compiler_setting()})" + (f"; pip Triton unused: {why}" if why else
-                                  "") + ".")
+      f"jax_api: flash kernels compiled by forward={fwd}, backward={bwd}/"
+      f"dq={dq} (FOLDAX_KERNEL_COMPILER={setting})" +
+      (f"; pip Triton unused: {why}" if why else "") + ".")
 
 
 def _check_common(q, k, v, sinks, window_size, softcap, softmax_scale,

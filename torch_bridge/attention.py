@@ -117,7 +117,7 @@ def _fwd_impl(q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, static,
     out, lse, aux = dp.forward(q, k, v, sinks, q_seg, k_seg,
                                need_lse=need_lse)
     if keep:
-      return (out, lse, aux), None
+      return (out, lse, aux), dp  # the backward reuses the plan
     return out, lse, aux
   p = _plan(static, q.device, q.dtype)
   with (_X64(True) if p.x64 else _NO_X64):
@@ -138,12 +138,14 @@ def _fwd_impl(q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, static,
 
 def _bwd_impl(dout, dlse, q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, out, lse,
               aux, static, kept=None, ds_tensor: bool = True):
-  """Runs the jitted backward. kept: the forward's JAX arrays (eager path:
-  nothing but dout/dlse is imported); ds_tensor=False leaves a missing
-  dsinks as None."""
+  """Runs the jitted backward. kept: what the eager forward kept, the
+  direct launch's plan or the forward's JAX arrays (nothing but dout/dlse is
+  imported); ds_tensor=False leaves a missing dsinks as None."""
   dp = None
-  if (kept is None and aux is not None and aux.numel() and
-      _direct.eligible(static, q, k, q_seg, k_seg, cu_q)):
+  if isinstance(kept, _direct.DensePlan):
+    dp, kept = kept, None
+  elif (kept is None and aux is not None and aux.numel() and
+        _direct.eligible(static, q, k, q_seg, k_seg, cu_q)):
     dp = _direct.plan(static, q, k, sinks, q_seg)
   if dp is not None and dp.backward_ready():
     dq, dk, dv, ds = dp.backward(q, k, v, sinks, out, aux, dout, dlse, q_seg,
