@@ -4,6 +4,7 @@ XLA's included).
 
     python -m benchmarks.gpu_profile deberta --point fwd-b16-l512
     python -m benchmarks.gpu_profile deberta --point train-b2-l2048 --impls fold_jax
+    python -m benchmarks.gpu_profile llama --impls fold,sdpa
 
 Prints, per implementation: host wall time per call, the sum of kernel
 times per call (the gap is host-bound time), and the kernels that take the
@@ -203,6 +204,54 @@ def _bridge_step_timers(q, k, v, do, call, args) -> dict:
   return out
 
 
+def _llama(args) -> dict:
+  """One training step (forward, backward, fused AdamW) of the Llama model of
+  benchmarks/bridge.py (hidden 1024, 8 layers, 16 heads / 4 kv, B4 S2048,
+  bf16) per attn_implementation."""
+  import copy
+  import torch
+  import torch_bridge.hf
+  from transformers import LlamaConfig, LlamaForCausalLM
+  from benchmarks.bridge import LLAMA_GPU as c
+  torch_bridge.hf.register()
+  cfg = LlamaConfig(vocab_size=c["vocab"], hidden_size=c["hidden"],
+                    intermediate_size=c["intermediate"],
+                    num_hidden_layers=c["layers"],
+                    num_attention_heads=c["heads"],
+                    num_key_value_heads=c["kv_heads"],
+                    max_position_embeddings=c["seq"], attention_dropout=0.0,
+                    tie_word_embeddings=False, use_cache=False)
+  torch.manual_seed(0)
+  with torch.device("cuda"):
+    base = LlamaForCausalLM(cfg)
+  base.to(torch.bfloat16).train()
+  ids = torch.randint(0, c["vocab"], (c["batch"], c["seq"]), device="cuda")
+  out = {}
+  for impl in args.impls.split(","):
+    m = copy.deepcopy(base)
+    m.set_attn_implementation(impl)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-5, fused=True)
+
+    def step():
+      m.zero_grad(set_to_none=True)
+      m(input_ids=ids, labels=ids).loss.backward()
+      opt.step()
+    try:
+      out[impl] = _profile(step, args.calls, args.top)
+    except Exception as e:  # noqa: BLE001
+      out[impl] = dict(error=repr(e)[:300])
+      continue
+    finally:
+      del m, opt
+    print(f"== llama {impl} train step: wall {out[impl]['wall_ms']} ms, "
+          f"kernels {out[impl]['kernel_ms']} ms, "
+          f"{out[impl]['launches_per_call']} launches", flush=True)
+    for r in out[impl]["top"]:
+      print(f"   {r['us_per_call']:9.1f} us  x{r['launches_per_call']:<6} "
+            f"{r['kernel']}")
+  return out
+
+
 @contextlib.contextmanager
 def _deberta_fn(s, point, impl, dump_hlo=None):
   """Yields one call of `impl` at `point`, with the models, inputs and
@@ -256,7 +305,7 @@ def _deberta_fn(s, point, impl, dump_hlo=None):
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("workload", choices=["deberta", "bridge"])
+  p.add_argument("workload", choices=["deberta", "bridge", "llama"])
   p.add_argument("--seq", type=int, default=128)
   p.add_argument("--dump-hlo", default=None,
                  help="deberta fold_jax forward: write the optimised HLO here")
@@ -268,7 +317,7 @@ def main(argv=None) -> int:
   p.add_argument("--top", type=int, default=18)
   p.add_argument("--output", default=None)
   a = p.parse_args(argv)
-  r = _deberta(a) if a.workload == "deberta" else _bridge(a)
+  r = {"deberta": _deberta, "bridge": _bridge, "llama": _llama}[a.workload](a)
   if a.output:
     with open(a.output, "w") as f:
       json.dump(dict(workload=a.workload, point=a.point, results=r), f,

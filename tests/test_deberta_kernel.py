@@ -147,6 +147,50 @@ def test_ragged_padded_matches_reference_and_is_repeatable():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
 
 
+@pytest.mark.parametrize("split", [False, True])
+def test_used_lengths_skip_padding_with_the_same_bits(split):
+  """The padded API's forward passes each right-padded row's valid length
+  (`seq_lens`): the kernel skips the padding tiles and writes those rows as
+  0 / +inf. Same bits as the token mask alone; rows that are not
+  right-padded (left padding, a hole) keep their whole slot."""
+  from jax_api.deberta.attention import _used_lengths
+  from pallas_kernels.deberta.config import KernelConfig, blocks_for
+  from pallas_kernels.deberta.forward import disentangled_forward
+  b, s, h, d = 5, 45, 2, 16
+  (q, k, v, pk, pq), _ = _inputs(3, (b, s, h, d), 2 * BUCKETS + 3)
+  mask = _ragged([45, 29, 0, 16, 45], s)
+  mask[3] = mask[3][::-1]          # left-padded
+  mask[4, 20] = 0                  # a hole
+  tm = jnp.asarray(mask.reshape(-1))
+  cu = jnp.arange(b + 1, dtype=jnp.int32) * s
+  lens = _used_lengths(tm, cu, s)
+  np.testing.assert_array_equal(np.asarray(lens), [45, 29, 0, 45, 45])
+  g = geometry(BUCKETS, MAX_REL)
+  cfg = KernelConfig(g, True, True, True, 0.0, d, split)
+  blocks = blocks_for(head_dim=d, dtype=q.dtype, interpret=True)
+  flat = [x.reshape(b * s, h, d) for x in (q, k, v)]
+  c = jnp.einsum("thd,phd->thp", flat[0], pk[: 2 * g.span])
+  p = jnp.einsum("thd,phd->thp", flat[1], pq[: 2 * g.span])
+  fwd = functools.partial(disentangled_forward, cfg=cfg, blocks=blocks.fwd,
+                          max_seqlen=s, interpret=True)
+  # Interpret mode fills unwritten outputs with NaN: every row of every
+  # slot must be written.
+  o1, l1 = jax.jit(fwd)(*flat, c, p, cu, tm, None, None)
+  o2, l2 = jax.jit(fwd)(*flat, c, p, cu, tm, None, lens)
+  assert not np.any(np.isnan(np.asarray(o2))), "unwritten rows"
+  np.testing.assert_array_equal(np.asarray(o2), np.asarray(o1))
+  np.testing.assert_array_equal(np.asarray(l2), np.asarray(l1))
+  valid = mask.reshape(-1).astype(bool)
+  assert np.all(np.asarray(o2)[~valid] == 0)
+  assert np.all(np.isinf(np.asarray(l2)[:, ~valid]))
+  # And the public API (which passes seq_lens) matches the reference there.
+  r = disentangled_attention_reference(q, k, v, pk, pq, attention_mask=mask,
+                                       pos_att_type=BOTH, **POS)
+  out = disentangled_attention(q, k, v, pk, pq, attention_mask=mask,
+                               pos_att_type=BOTH, backend="interpret", **POS)
+  _assert_close(out, r, mask.astype(bool))
+
+
 def _pack(x, lengths):
   return jnp.concatenate([x[i, :n] for i, n in enumerate(lengths)])
 

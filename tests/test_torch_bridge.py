@@ -872,6 +872,24 @@ def test_direct_launch_captures_deberta_kernels(fake_h200, monkeypatch, c2p, p2c
     assert set(plan.kernels) == set(plan.ir)
 
 
+def test_deberta_used_lengths_match_the_jax_side():
+  """The direct launch computes the kernel's used lengths in torch: the
+  same as the JAX path's (right-padded rows: their length; others: s)."""
+  import jax.numpy as jnp
+  from jax_api.deberta.attention import _used_lengths
+  from torch_bridge import _direct
+  s = 12
+  mask = torch.ones(5, s, dtype=torch.int32)
+  mask[1, 7:] = 0
+  mask[2, :3] = 0
+  mask[3] = 0
+  mask[4, 5] = 0
+  got = _direct._used_lengths(mask != 0, s)
+  cu = jnp.arange(6, dtype=jnp.int32) * s
+  want = _used_lengths(jnp.asarray(mask.numpy().reshape(-1)), cu, s)
+  assert got.tolist() == [12, 7, 12, 0, 12] == [int(x) for x in want]
+
+
 @pytest.mark.gpu
 @gpu
 def test_gpu_deberta_direct_forward_matches_jax_path(monkeypatch):
@@ -881,13 +899,15 @@ def test_gpu_deberta_direct_forward_matches_jax_path(monkeypatch):
   from torch_bridge import _direct
   from torch_bridge.deberta import disentangled_attention as attn
   torch.manual_seed(0)
-  b, s, h, d = 2, 200, 4, 64
+  b, s, h, d = 4, 200, 4, 64
   q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.float16)
              for _ in range(3))
   pk, pq = (torch.randn(512, h, d, device="cuda", dtype=torch.float16)
             for _ in range(2))
   mask = torch.ones(b, s, dtype=torch.int32, device="cuda")
-  mask[1, 150:] = 0
+  mask[1, 150:] = 0  # right-padded: its padding tiles are skipped
+  mask[2, :40] = 0   # left-padded: the token mask over the whole row
+  mask[3] = 0        # nothing visible
 
   def run():
     return attn(q, k, v, pk, pq, attention_mask=mask)
@@ -897,7 +917,29 @@ def test_gpu_deberta_direct_forward_matches_jax_path(monkeypatch):
   assert len(_direct._plans) == n_plans + 1  # it took the direct path
   assert isinstance(list(_direct._plans.values())[-1], _direct.DebertaPlan)
   assert torch.equal(direct, run())
+  assert not direct[mask == 0].any()  # padded rows are written as 0
   monkeypatch.setenv("FOLDAX_TORCH_LAUNCH", "jax")
   via_jax = run()
   torch.testing.assert_close(direct.float(), via_jax.float(), atol=1e-2,
                              rtol=1e-2)
+
+
+def test_derived_is_recomputed_for_another_or_modified_tensor():
+  """`_runtime.derived` (the per-layer mask casts): reused for the same,
+  unmodified tensor; recomputed when the tensor changes in place or is
+  another one with the same contents."""
+  from torch_bridge import _runtime as rt
+  calls = []
+
+  def fn(t):
+    calls.append(1)
+    return t.to(torch.int32)
+
+  m = torch.tensor([[1, 1, 0]])
+  a = rt.derived("test_derived", m, fn)
+  assert rt.derived("test_derived", m, fn) is a and len(calls) == 1
+  m[0, 2] = 1  # in place: the version counter moves
+  b = rt.derived("test_derived", m, fn)
+  assert len(calls) == 2 and b.tolist() == [[1, 1, 1]]
+  c = rt.derived("test_derived", m.clone(), fn)
+  assert len(calls) == 3 and c.tolist() == [[1, 1, 1]]

@@ -358,6 +358,16 @@ class DensePlan(_Kernels):
 # DeBERTa disentangled attention, inference forward
 # ----------------------------------------------------------------------------
 
+def _used_lengths(valid: torch.Tensor, s: int) -> torch.Tensor:
+  """`jax_api.deberta.attention._used_lengths` in torch: int32 [b], a
+  right-padded row's valid length, else s (on the device, no sync)."""
+  n = valid.sum(dim=1, dtype=torch.int32)
+  prefix = torch.arange(s, device=valid.device, dtype=torch.int32)[None, :] < \
+      n[:, None]
+  return torch.where((valid == prefix).all(dim=1), n,
+                     torch.full_like(n, s)).contiguous()
+
+
 @dataclasses.dataclass(frozen=True)
 class _DebertaShape:
   b: int
@@ -433,7 +443,8 @@ class DebertaPlan(_Kernels):
       raise RuntimeError(f"torch_bridge: captured {names}; expected {want}")
     blocks = blocks_for(head_dim=s.d, dtype=dt, interpret=False,
                         compute_capability=cc)
-    n_fwd = 2 + int(s.has_mask) + 3 + int(cfg.c2p) + int(cfg.p2c) + 2
+    # cu, slot, [mask, used lengths], q, k, v, [c2p, p2c], out, lse2
+    n_fwd = 2 + 2 * int(s.has_mask) + 3 + int(cfg.c2p) + int(cfg.p2c) + 2
     for name, ttir, grid in got:
       # The c2p and p2c tables are one kernel on same-shaped operands.
       if name in self.ir:
@@ -456,6 +467,15 @@ class DebertaPlan(_Kernels):
       c = self._consts[device] = (cu, slot)
     return c
 
+  def _mask_args(self, mask):
+    """The kernel's int32 token mask and used lengths (derived once per mask
+    tensor: every layer of an encoder gets the same one)."""
+    def derive(mask):
+      m = mask != 0
+      return (m.to(torch.int32).reshape(-1).contiguous(),
+              _used_lengths(m, self.shape.s))
+    return rt.derived(f"deberta_mask_args/{self.shape.s}", mask, derive)
+
   def forward(self, q, k, v, pk, pq, mask):
     """out [b, s, h, d] in q's dtype."""
     s = self.shape
@@ -465,7 +485,7 @@ class DebertaPlan(_Kernels):
       qf, kf, vf = (x.contiguous().view(total, s.h, s.d) for x in (q, k, v))
       args = [cu, slot]
       if mask is not None:
-        args.append((mask != 0).to(torch.int32).reshape(-1).contiguous())
+        args += self._mask_args(mask)
       args += [qf, kf, vf]
       for on, x, pos in ((self.cfg.c2p, qf, pk), (self.cfg.p2c, kf, pq)):
         if on:

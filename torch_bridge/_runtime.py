@@ -59,6 +59,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import weakref
 
 _ALLOC_VARS = ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION",
                "XLA_PYTHON_CLIENT_ALLOCATOR")
@@ -116,6 +117,22 @@ def warn_if_jax_initialised_early(set_by_us: bool) -> None:
 # ----------------------------------------------------------------------------
 # Devices and backends
 # ----------------------------------------------------------------------------
+
+_derived: dict = {}
+
+
+def derived(key: str, t, fn):
+  """fn(t), recomputed only when `t` is another tensor or was modified in
+  place since (one entry per key). An encoder hands every layer the same
+  mask tensor: what each layer derives from it (dtype casts, lengths; a
+  few small torch ops, host time on every call) is derived once."""
+  hit = _derived.get(key)
+  if hit is not None and hit[0]() is t and hit[1] == t._version:
+    return hit[2]
+  got = fn(t)
+  _derived[key] = (weakref.ref(t), t._version, got)
+  return got
+
 
 class Target:
   """Where a call runs: the JAX device, how tensors travel, which backend."""

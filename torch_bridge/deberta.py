@@ -253,7 +253,9 @@ def disentangled_attention(q: Tensor, k: Tensor, v: Tensor,
   c2p, p2c = "c2p" in pos_att_type, "p2c" in pos_att_type
   be = resolve_backend(q, backend)
   if attention_mask is not None:
-    attention_mask = attention_mask.to(device=q.device, dtype=torch.int32)
+    attention_mask = rt.derived(
+        f"deberta_mask/{q.device}", attention_mask,
+        lambda m: m.to(device=q.device, dtype=torch.int32))
   mq = 0
   if cu_seqlens is not None:
     cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32)

@@ -48,19 +48,30 @@ def position_tables(q, k, pos_key, pos_query, cfg: KernelConfig,
 def _kernel_attention(q, k, v, pos_key, pos_query, cu, token_mask, seed,
                       cfg: KernelConfig, blocks: DebertaBlocks,
                       max_seqlen: int, interpret: bool):
-  c, p = position_tables(q, k, pos_key, pos_query, cfg, blocks,
-                         interpret)
-  out, _ = disentangled_forward(q, k, v, c, p, cu, token_mask, seed, cfg=cfg,
-                                blocks=blocks.fwd, max_seqlen=max_seqlen,
-                                interpret=interpret)
-  return out
+  return _fwd(q, k, v, pos_key, pos_query, cu, token_mask, seed, cfg, blocks,
+              max_seqlen, interpret)[0]
+
+
+def _used_lengths(token_mask, cu, max_seqlen: int):
+  """int32 [num_seqs]: a right-padded row's valid length, else its whole
+  slot (computed on the device: no host sync). The forward then skips a
+  right-padded row's padding tiles with the same bits (see
+  `pallas_kernels.deberta.forward`); the backward keeps the token mask over
+  the whole slot."""
+  b = cu.shape[0] - 1
+  m = token_mask.reshape(b, max_seqlen) != 0
+  n = jnp.sum(m, axis=1, dtype=jnp.int32)
+  prefix = jnp.arange(max_seqlen, dtype=jnp.int32)[None, :] < n[:, None]
+  return jnp.where(jnp.all(m == prefix, axis=1), n, max_seqlen)
 
 
 def _fwd(q, k, v, pos_key, pos_query, cu, token_mask, seed, cfg, blocks,
          max_seqlen, interpret):
   c, p = position_tables(q, k, pos_key, pos_query, cfg, blocks,
                          interpret)
-  out, lse2 = disentangled_forward(q, k, v, c, p, cu, token_mask, seed,
+  lens = (None if token_mask is None else
+          _used_lengths(token_mask, cu, max_seqlen))
+  out, lse2 = disentangled_forward(q, k, v, c, p, cu, token_mask, seed, lens,
                                    cfg=cfg, blocks=blocks.fwd,
                                    max_seqlen=max_seqlen, interpret=interpret)
   # The position tables are recomputed in the backward (two small GEMMs)

@@ -6,10 +6,19 @@ Layouts (as `pallas_kernels.flash.forward`):
   p2c table: [total, heads, 2*span]  = K . Qpos^T  (row: key token)
   slot_table: int32 [width] (see `_geometry`)
   token_mask (optional): int32 [total], pair (i, j) visible iff both != 0
+  seq_lens (optional): int32 [num_seqs], the tokens each sequence uses from
+    the start of its cu_seqlens slot (FlashAttention's `seqused`); the rest
+    of the slot is padding: never attended to, written as 0 (lse2 +inf),
+    and its tiles are not computed
   seed (optional): uint32 [1]
 Outputs: out [total, heads, head_dim] (rows outside every sequence
 unwritten), lse2 float32 [heads, total] (base 2; +inf for rows that see no
 key).
+
+A right-padded batch row with its token mask gives the same bits with
+seq_lens = its valid length as without (the skipped key tiles only ever
+added exact zeros; every tile runs the same float operations), so the
+padded-batch API passes seq_lens computed on the device from the mask.
 
 Score of (i, j), in base 2:
   (q_i . k_j + c2p[i, slot(i - j)] + p2c[j, slot(i - j)]) * log2(e) / c
@@ -46,9 +55,10 @@ from pallas_kernels.flash.forward import dot_precision
 
 
 def _forward_kernel(cu_ref, slot_ref, *refs, cfg: KernelConfig, block_q: int,
-                    block_k: int):
+                    block_k: int, has_lens: bool):
   refs = list(refs)
   mask_ref = refs.pop(0) if cfg.has_mask else None
+  lens_ref = refs.pop(0) if has_lens else None
   seed_ref = refs.pop(0) if cfg.has_dropout else None
   q_ref, k_ref, v_ref = refs.pop(0), refs.pop(0), refs.pop(0)
   c_ref = refs.pop(0) if cfg.c2p else None
@@ -57,17 +67,29 @@ def _forward_kernel(cu_ref, slot_ref, *refs, cfg: KernelConfig, block_q: int,
 
   q_blk, seq, head = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   off = cu_ref[seq]
-  n = cu_ref[seq + 1] - off
+  n_slot = cu_ref[seq + 1] - off
+  n = jnp.minimum(n_slot, lens_ref[seq]) if has_lens else n_slot
   q0 = q_blk * block_q
   total, d_pad = q_ref.shape
   precision = dot_precision(q_ref.dtype)
   scale_log2 = cfg.scale * LOG2E
   g = cfg.geometry
+  head_mask = cm.head_dim_mask(cfg.head_dim, d_pad)
+  q_pos = q0 + jnp.arange(block_q, dtype=jnp.int32)
+  # Rows written: the slot's (padding rows past seq_lens as 0 / +inf).
+  q_store = mask_and((q_pos < n_slot)[:, None], head_mask)
+
+  if has_lens:
+    @pl.when((q0 >= n) & (q0 < n_slot))
+    def _():
+      plgpu.store(o_ref.at[pl.ds(off + q0, block_q), :],
+                  jnp.zeros((block_q, d_pad), o_ref.dtype), mask=q_store)
+      plgpu.store(lse_ref.at[pl.ds(off + q0, block_q)],
+                  jnp.full((block_q,), jnp.inf, jnp.float32),
+                  mask=q_pos < n_slot)
 
   @pl.when(q0 < n)
   def _():
-    head_mask = cm.head_dim_mask(cfg.head_dim, d_pad)
-    q_pos = q0 + jnp.arange(block_q, dtype=jnp.int32)
     q_valid = q_pos < n
     q_rows = jnp.minimum(off + q_pos, total - 1)
     q = cm.load(q_ref.at[pl.ds(off + q0, block_q), :],
@@ -112,6 +134,8 @@ def _forward_kernel(cu_ref, slot_ref, *refs, cfg: KernelConfig, block_q: int,
       # even where nothing is masked; `masked` only drops load masks), so a
       # padded batch and its packed form give the same bits.
       vis = k_valid[None, :]
+      if has_lens:  # padding query rows of the partial tile see nothing
+        vis = vis & q_valid[:, None]
       if cfg.has_mask:
         mk = cm.load(mask_ref.at[pl.ds(off + k0, block_k)],
                      mask=k_valid, other=0) != 0
@@ -143,14 +167,16 @@ def _forward_kernel(cu_ref, slot_ref, *refs, cfg: KernelConfig, block_q: int,
     out = acc / l_safe[:, None]
     lse2 = jnp.where(seen, m + jnp.log2(l_safe), jnp.inf)
     plgpu.store(o_ref.at[pl.ds(off + q0, block_q), :], out.astype(o_ref.dtype),
-                mask=mask_and(q_valid[:, None], head_mask))
-    plgpu.store(lse_ref.at[pl.ds(off + q0, block_q)], lse2, mask=q_valid)
+                mask=q_store)
+    plgpu.store(lse_ref.at[pl.ds(off + q0, block_q)], lse2,
+                mask=q_pos < n_slot)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "blocks", "max_seqlen",
                                              "interpret"))
 def disentangled_forward(q, k, v, c2p_table, p2c_table, cu_seqlens,
-                         token_mask=None, seed=None, *, cfg: KernelConfig,
+                         token_mask=None, seed=None, seq_lens=None, *,
+                         cfg: KernelConfig,
                          blocks: BlockSizes, max_seqlen: int,
                          interpret: bool = False):
   """Returns (out [total, heads, head_dim], lse2 float32 [heads, total])."""
@@ -168,6 +194,9 @@ def disentangled_forward(q, k, v, c2p_table, p2c_table, cu_seqlens,
   if cfg.has_mask:
     in_specs.append(full(token_mask.shape))
     args.append(token_mask)
+  if seq_lens is not None:
+    in_specs.append(full((num_seqs,)))
+    args.append(jnp.asarray(seq_lens, jnp.int32))
   if cfg.has_dropout:
     in_specs.append(full((1,)))
     args.append(jnp.reshape(seed, (1,)).astype(jnp.uint32))
@@ -179,7 +208,8 @@ def disentangled_forward(q, k, v, c2p_table, p2c_table, cu_seqlens,
   if cfg.p2c:
     in_specs.append(tab)
     args.append(p2c_table)
-  kernel = functools.partial(_forward_kernel, cfg=cfg, block_q=bq, block_k=bk)
+  kernel = functools.partial(_forward_kernel, cfg=cfg, block_q=bq, block_k=bk,
+                             has_lens=seq_lens is not None)
   out, lse2 = pl.pallas_call(
       kernel,
       grid=(pl.cdiv(max_seqlen, bq), num_seqs, heads),
