@@ -56,6 +56,43 @@ def _profile(fn, calls: int, top: int) -> dict:
               top=rows)
 
 
+def _cprofile(fn, calls: int, top: int) -> list:
+  """Host time by Python function over `calls` calls (cProfile: the main
+  thread only), the top by own time and the top by cumulative time."""
+  import cProfile
+  import pstats
+  import torch
+  sync = torch.cuda.synchronize if torch.cuda.is_available() else (
+      lambda: None)
+  fn()
+  sync()
+  prof = cProfile.Profile()
+  prof.enable()
+  for _ in range(calls):
+    fn()
+  prof.disable()
+  sync()
+  st = pstats.Stats(prof)
+  rows = []
+  for key, (cc, nc, tt, ct, _) in st.stats.items():
+    file, line, name = key
+    rows.append(dict(fn=f"{file.split('site-packages/')[-1][-60:]}:{line}"
+                        f"({name})", calls_per=round(nc / calls, 1),
+                     own_us=round(tt / calls * 1e6, 1),
+                     cum_us=round(ct / calls * 1e6, 1)))
+  own = sorted(rows, key=lambda r: -r["own_us"])[:top]
+  cum = sorted(rows, key=lambda r: -r["cum_us"])[:top * 2]
+  print(f"   cProfile, {calls} calls: top by own time (us per call)")
+  for r in own:
+    print(f"     {r['own_us']:9.1f} own {r['cum_us']:9.1f} cum "
+          f"x{r['calls_per']:<6} {r['fn']}")
+  print("   top by cumulative time")
+  for r in cum:
+    print(f"     {r['cum_us']:9.1f} cum {r['own_us']:9.1f} own "
+          f"x{r['calls_per']:<6} {r['fn']}")
+  return dict(own=own, cum=cum)
+
+
 def _deberta(args) -> dict:
   import torch
   from benchmarks import deberta as D
@@ -72,6 +109,11 @@ def _deberta(args) -> dict:
     except Exception as e:  # noqa: BLE001
       out[impl] = dict(error=repr(e)[:300])
       continue
+    if args.cprofile:
+      with _deberta_fn(s, point, impl) as fn, (
+          torch.no_grad() if point.mode == "fwd" else
+          contextlib.nullcontext()):
+        out[impl]["cprofile"] = _cprofile(fn, args.cprofile, args.top)
     print(f"== {impl} {point.label}: wall {out[impl]['wall_ms']} ms, kernels "
           f"{out[impl]['kernel_ms']} ms, {out[impl]['launches_per_call']} "
           "launches", flush=True)
@@ -314,6 +356,9 @@ def main(argv=None) -> int:
                  help="of fold_jax, fold_jax_ffn, fold_jax_remat, fold_torch, "
                       "disentangled_flash, hf_eager")
   p.add_argument("--calls", type=int, default=5)
+  p.add_argument("--cprofile", type=int, default=0,
+                 help="deberta: also this many calls under cProfile "
+                      "(host time by Python function)")
   p.add_argument("--top", type=int, default=18)
   p.add_argument("--output", default=None)
   a = p.parse_args(argv)

@@ -76,10 +76,10 @@ def _mask_config(d, causal):
                          has_segments=False, softcap=0.0, scale=d ** -0.5)
 
 
-def _packed_problem(b, s, h, d, causal, dtype=jnp.bfloat16):
+def _packed_problem(b, s, h, d, causal, dtype=jnp.bfloat16, hkv=None):
   """The probes' problem: forward FLOPs, mask config, cu_seqlens, q, k, v,
-  dO ([b, s, h, d]) and the same packed ([b*s, h, d])."""
-  qkvo = _inputs(b, s, h, h, d, dtype)
+  dO ([b, s, h|hkv, d]) and the same packed ([b*s, h|hkv, d])."""
+  qkvo = _inputs(b, s, h, hkv or h, d, dtype)
   flops_fwd = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
   cu = jnp.arange(b + 1, dtype=jnp.int32) * s
   return (flops_fwd, _mask_config(d, causal), cu, qkvo,
@@ -353,7 +353,7 @@ def fwd_probe(records, configs, b=2, s=8192, h=16, d=128, causal=True,
 
 def bwd_probe(records, configs, b=2, s=8192, h=16, d=128, causal=True,
               reps=10, inner=5, out_path=None, interpret=False,
-              budget_s=60.0):
+              budget_s=60.0, hkv=None):
   """Times the recompute backward for each (dK/dV blocks, dQ blocks) pair.
 
   The forward runs once (shipped blocks) and is timed once; each candidate
@@ -367,8 +367,9 @@ def bwd_probe(records, configs, b=2, s=8192, h=16, d=128, causal=True,
   t_start = time.perf_counter()
   dtype = jnp.bfloat16
   flops_fwd, cfg, cu, (q, k, v, do), (pq, pk, pv, pdo) = _packed_problem(
-      b, s, h, d, causal, dtype)
-  shape = dict(b=b, s=s, h=h, d=d, causal=causal, dtype="bfloat16")
+      b, s, h, d, causal, dtype, hkv)
+  shape = dict(b=b, s=s, h=h, hkv=hkv or h, d=d, causal=causal,
+               dtype="bfloat16")
 
   def dump():
     if out_path:
@@ -600,7 +601,8 @@ def main(argv=None):
                  help="only time the forward (B2 H16 S8192 D128 causal bf16) "
                       "for --fwd-blocks next to JAX's Pallas mha; ~1 min")
   p.add_argument("--fwd-shape", default="2,8192,16,128",
-                 help="b,s,h,d for --fwd-probe (causal, bf16)")
+                 help="b,s,h,d for --fwd-probe (causal, bf16); --bwd-probe "
+                      "also takes b,s,h,d,h_kv (GQA)")
   p.add_argument("--interpret", action="store_true",
                  help="--fwd-probe in interpret mode (CPU smoke test only)")
   p.add_argument("--fwd-reps", type=int, default=30)
@@ -639,10 +641,10 @@ def main(argv=None):
   bwd_configs = [(_probe_compiler(kv), _probe_compiler(dq))
                  for kv, dq in bwd_configs]
   if a.bwd_probe:
-    b, s_, h, d = (int(x) for x in a.fwd_shape.split(","))
+    b, s_, h, d, *hkv = (int(x) for x in a.fwd_shape.split(","))
     bwd_probe(records, bwd_configs, b=b, s=s_, h=h, d=d, reps=a.bwd_reps,
               inner=1 if a.interpret else 5, out_path=a.out,
-              interpret=a.interpret)
+              interpret=a.interpret, hkv=hkv[0] if hkv else None)
     return
   if a.fwd_probe:
     configs = [_probe_compiler(c) for c in (
