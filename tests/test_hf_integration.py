@@ -307,6 +307,33 @@ def test_deberta_swap_keeps_weights_and_names(deberta_pair):
                  for m in back.modules())
 
 
+def test_deberta_fused_projections_match_the_modules(deberta_pair):
+  """The swapped attention projects q, k, v (and, with share_att_key, the
+  relative embeddings) in one batched GEMM: the same values as the three
+  nn.Linear modules; a hooked projection is run as a module instead."""
+  from torch_bridge.deberta import _fused_projections
+  _, fold = deberta_pair
+  attn = next(m for m in fold.modules()
+              if isinstance(m, torch_bridge.deberta.FoldDisentangledSelfAttention))
+  torch.manual_seed(0)
+  x = torch.randn(2, 7, 64)
+  rel = torch.randn(16, 64)
+  with torch.no_grad():
+    q, k, v, rq, rk = _fused_projections(attn, x, rel)
+    want = [attn.query_proj(x), attn.key_proj(x), attn.value_proj(x),
+            attn.query_proj(rel), attn.key_proj(rel)]
+  for got, w in zip((q, k, v, rq, rk), want):
+    assert got.is_contiguous()
+    torch.testing.assert_close(got, w.reshape(got.shape), atol=1e-5,
+                               rtol=1e-5)
+  assert _fused_projections(attn, x, None)[3] is None
+  handle = attn.key_proj.register_forward_hook(lambda *a: None)
+  try:
+    assert _fused_projections(attn, x, rel) is None
+  finally:
+    handle.remove()
+
+
 def test_deberta_fallback_to_hf_attention_matches_eager(deberta_pair):
   """output_attentions=True needs HF's attention: it gets back the
   [b, 1, s, s] mask and relative positions the swapped encoder skips."""

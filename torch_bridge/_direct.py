@@ -164,12 +164,47 @@ def _jax_dtype(dtype: torch.dtype):
           torch.float32: jnp.float32}[dtype]
 
 
+def _lean_launcher(kernel, grid):
+  """launch(stream, *args) straight into the compiled kernel's C launcher,
+  or None. Triton's `kernel[grid](*args)` looks up the current device and
+  stream and builds launch metadata on every call (about 25 us of host time
+  per launch on the H200's host, three or four launches per layer); the
+  plans know the stream. Only for pip Triton 3.6, whose launcher's
+  argument order this follows, and kernels without scratch buffers;
+  launch hooks (profilers) take the full path at call time."""
+  import triton
+  if not triton.__version__.startswith("3.6."):
+    return None
+  try:
+    kernel._init_handles()
+    run = kernel.run
+    if run.global_scratch_size or run.profile_scratch_size:
+      return None
+    c_launch, function = run.launch, kernel.function
+    fixed = (function, run.launch_cooperative_grid, run.launch_pdl, None,
+             None, kernel.packed_metadata, None, None, None)
+  except AttributeError:
+    return None
+  gx, gy, gz = (tuple(grid) + (1, 1))[:3]
+
+  def launch(stream, *args):
+    c_launch(gx, gy, gz, stream, *fixed, *args)
+
+  return launch
+
+
+def _hooks_set() -> bool:
+  from triton import knobs
+  return (knobs.runtime.launch_enter_hook is not None or
+          knobs.runtime.launch_exit_hook is not None)
+
+
 class _Kernels:
   """Compiled kernels by name, their grids and IR; checked and launched."""
 
   def __init__(self, compile_kernels: bool):
     self.compile_kernels = compile_kernels
-    self.grids, self.kernels, self.ir = {}, {}, {}
+    self.grids, self.kernels, self.ir, self.lean = {}, {}, {}, {}
 
   def _add(self, name, ttir, grid, n_ptrs, num_warps, num_stages, cc):
     got = pointer_count(ttir)
@@ -181,8 +216,28 @@ class _Kernels:
     self.grids[name] = grid
     self.ir[name] = ttir  # last: marks the kernel ready
 
-  def _launch(self, name, *args):
-    self.kernels[name][self.grids[name]](*args)
+  def _launch(self, name, *args, stream=None):
+    """On `stream` (a raw CUDA stream handle: torch's current stream of the
+    tensors' device, which the caller made current)."""
+    if name not in self.lean:
+      # At the first launch, on the tensors' device: loading the module
+      # binds it to the current device, as Triton's own first launch does.
+      self.lean[name] = (_lean_launcher(self.kernels[name], self.grids[name])
+                         if _lean_enabled() else None)
+    lean = self.lean[name]
+    if lean is not None and stream is not None and not _hooks_set():
+      lean(stream, *args)
+    else:
+      self.kernels[name][self.grids[name]](*args)
+
+
+def _lean_enabled() -> bool:
+  return os.environ.get("FOLDAX_TORCH_LEAN_LAUNCH", "1") != "0"
+
+
+def _raw_stream(device) -> int:
+  """torch's current CUDA stream on `device`, as the raw handle."""
+  return torch._C._cuda_getCurrentRawStream(device.index)
 
 
 class DensePlan(_Kernels):
@@ -308,7 +363,8 @@ class DensePlan(_Kernels):
       args = [cu_q, cu_k, q, k, v] + self._segs(q_seg, k_seg)
       if sinks is not None:
         args.append(sinks.detach().float().contiguous())
-      self._launch("fold_flash_forward", *args, out, aux)
+      self._launch("fold_flash_forward", *args, out, aux,
+                   stream=_raw_stream(q.device))
     lse = None
     if need_lse:
       lse = torch.where(aux == float("inf"), float("-inf"), aux * LN2)
@@ -335,8 +391,9 @@ class DensePlan(_Kernels):
         dlse_rows = torch.where(torch.isfinite(dlse_rows), dlse_rows, 0.0)
         dlse_rows = dlse_rows.contiguous()
       delta = torch.zeros((s.hq, total_q), device=dev, dtype=torch.float32)
+      stream = _raw_stream(dev)
       self._launch("fold_flash_backward_preprocess", cu_q, out, dout,
-                   dlse_rows, delta, delta)
+                   dlse_rows, delta, delta, stream=stream)
       dq = torch.empty_like(q, memory_format=torch.contiguous_format)
       dk = torch.empty_like(k, memory_format=torch.contiguous_format)
       dv = torch.empty_like(v, memory_format=torch.contiguous_format)
@@ -344,9 +401,9 @@ class DensePlan(_Kernels):
       # the same memory as [total, hq, d] and [hq, total].
       segs = self._segs(q_seg, k_seg)
       self._launch("fold_flash_backward_dkdv", cu_q, cu_k, q, k, v, dout,
-                   aux, delta, *segs, dk, dv)
+                   aux, delta, *segs, dk, dv, stream=stream)
       self._launch("fold_flash_backward_dq", cu_q, cu_k, q, k, v, dout, aux,
-                   delta, *segs, dq)
+                   delta, *segs, dq, stream=stream)
       dsinks = None
       if sinks is not None:
         p_sink = torch.exp2(sinks.detach().float()[:, None] * LOG2E - aux)
@@ -481,6 +538,7 @@ class DebertaPlan(_Kernels):
     s = self.shape
     total = s.b * s.s
     with torch.cuda.device(q.device):
+      stream = _raw_stream(q.device)
       cu, slot = self._device_consts(q.device)
       qf, kf, vf = (x.contiguous().view(total, s.h, s.d) for x in (q, k, v))
       args = [cu, slot]
@@ -492,9 +550,10 @@ class DebertaPlan(_Kernels):
           table = torch.empty((total, s.h, self.slots), device=q.device,
                               dtype=q.dtype)
           pos = pos[: self.slots].to(q.dtype).contiguous()
-          self._launch("fold_deberta_position_table", x, pos, table)
+          self._launch("fold_deberta_position_table", x, pos, table,
+                       stream=stream)
           args.append(table)
       out = torch.empty_like(qf)
       lse2 = torch.empty((s.h, total), device=q.device, dtype=torch.float32)
-      self._launch("fold_deberta_forward", *args, out, lse2)
+      self._launch("fold_deberta_forward", *args, out, lse2, stream=stream)
     return out.view(s.b, s.s, s.h, s.d)

@@ -335,16 +335,25 @@ class FoldDisentangledSelfAttention(torch.nn.Module):
                         output_attentions, query_states, relative_pos,
                         rel_embeddings)
     h = self.num_attention_heads
-    q = self.query_proj(hidden_states).view(b, s, h, -1)
-    k = self.key_proj(hidden_states).view(b, s, h, -1)
-    v = self.value_proj(hidden_states).view(b, s, h, -1)
-    d = q.shape[-1]
     c2p = self.relative_attention and "c2p" in self.pos_att_type
     p2c = self.relative_attention and "p2c" in self.pos_att_type
-    pk = pq = None
+    rel = None
     if c2p or p2c:
       rel = self.pos_dropout(rel_embeddings[: 2 * self.pos_ebd_size])
-      if self.share_att_key:
+    fused = _fused_projections(self, hidden_states,
+                               rel if self.share_att_key else None)
+    if fused is not None:
+      q, k, v, pq_all, pk_all = fused
+    else:
+      q, k, v = (m(hidden_states) for m in (self.query_proj, self.key_proj,
+                                            self.value_proj))
+    q, k, v = (x.view(b, s, h, -1) for x in (q, k, v))
+    d = q.shape[-1]
+    pk = pq = None
+    if c2p or p2c:
+      if self.share_att_key and fused is not None:
+        pk, pq = (pk_all if c2p else None), (pq_all if p2c else None)
+      elif self.share_att_key:
         pk = self.key_proj(rel) if c2p else None
         pq = self.query_proj(rel) if p2c else None
       else:
@@ -366,6 +375,42 @@ class FoldDisentangledSelfAttention(torch.nn.Module):
       out = disentangled_attention(q, k, v, pk, pq, attention_mask=tok_mask,
                                    **kw)
     return out.reshape(b, s, h * d), None
+
+
+def _plain_linear(m) -> bool:
+  return (type(m) is torch.nn.Linear and not m._forward_hooks and
+          not m._forward_pre_hooks and not m._backward_hooks)
+
+
+def _fused_projections(attn, hidden, rel):
+  """The query, key and value projections of `hidden` ([b, s, hidden]) and,
+  with `rel` ([r, hidden], HF's share_att_key), the query and key
+  projections of the relative embeddings, in one batched GEMM (baddbmm over
+  the three stacked weights): one launch instead of up to five, each of
+  which costs tens of microseconds of host time (cuBLASLt's per-call
+  heuristic), and every result comes out contiguous (row slices of one
+  [3, tokens, out] product), as the kernels want it. Returns (q, k, v,
+  rel_q, rel_k) as [tokens, out] / [r, out] (rel_*: None without rel), or
+  None where the projections are not plain biased nn.Linear layers of one
+  shape (adapters, hooks): the caller runs the modules then."""
+  mods = (attn.query_proj, attn.key_proj, attn.value_proj)
+  if not all(_plain_linear(m) and m.bias is not None for m in mods):
+    return None
+  w0 = mods[0].weight
+  if any(m.weight.shape != w0.shape or m.weight.dtype != w0.dtype
+         for m in mods) or hidden.dtype != w0.dtype or (
+             rel is not None and rel.dtype != w0.dtype):
+    return None
+  x = hidden.reshape(-1, hidden.shape[-1])
+  n = x.shape[0]
+  if rel is not None:
+    x = torch.cat([x, rel])
+  w = torch.stack([m.weight for m in mods]).transpose(1, 2)  # [3, in, out]
+  bias = torch.stack([m.bias for m in mods]).unsqueeze(1)   # [3, 1, out]
+  y = torch.baddbmm(bias, x.expand(3, *x.shape), w)         # [3, n(+r), out]
+  if rel is None:
+    return y[0], y[1], y[2], None, None
+  return y[0, :n], y[1, :n], y[2, :n], y[0, n:], y[1, n:]
 
 
 def _hf_encoder_class():
