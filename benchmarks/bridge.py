@@ -532,7 +532,10 @@ def llama(suite: Suite, dev: str, smoke: bool, target_s: float) -> list[dict]:
       step(impl)
       sync()
       est[impl] = max(time.perf_counter() - t0, 1e-4)
-    rounds = 4 if cuda else 2
+    # FOLDAX_LLAMA_ROUNDS / FOLDAX_LLAMA_TARGET_S: longer runs for a machine
+    # whose step time drifts by more than the difference measured.
+    rounds = int(os.environ.get("FOLDAX_LLAMA_ROUNDS", 4 if cuda else 2))
+    target_s = float(os.environ.get("FOLDAX_LLAMA_TARGET_S", target_s))
     per_round = {i: max(2 if cuda else 1, min(12, int(
         target_s / len(live) / est[i] / rounds))) for i in live}
     times = {i: [] for i in live}
@@ -770,9 +773,14 @@ def run(args, argv, command_prefix: str = "python -m benchmarks.run") -> dict:
 
   cases = {}
   brs = {}
+  # FOLDAX_BRIDGE_PARTS: a subset of "overhead,llama,extras" (default all).
+  parts = set(os.environ.get("FOLDAX_BRIDGE_PARTS",
+                             "overhead,llama,extras").split(","))
   # 1-2. acceptance: overhead at the small shape, ratio at the large one
   for label, shp, tgt in (("s128", small, t_small), ("s4096", large,
                                                      t_large)):
+    if "overhead" not in parts:
+      break
     try:
       case = cases[label] = AttnCase(*shp, dev, tdt)
     except Exception as e:  # noqa: BLE001
@@ -793,7 +801,8 @@ def run(args, argv, command_prefix: str = "python -m benchmarks.run") -> dict:
 
   # 3. Llama training step
   try:
-    llama(suite, dev, not gpu, 1.6 if gpu else 0.3)
+    if "llama" in parts:
+      llama(suite, dev, not gpu, 1.6 if gpu else 0.3)
   except Exception as e:  # noqa: BLE001
     import traceback
     traceback.print_exc()
@@ -805,14 +814,14 @@ def run(args, argv, command_prefix: str = "python -m benchmarks.run") -> dict:
   suite.flush()
 
   # 4. extras, while the budget lasts
-  for label, case in cases.items():
+  for label, case in (cases.items() if "extras" in parts else ()):
     if suite.left() < 8:
       break
     if label == "s128":
       components(suite, case, dtname)
     if gpu and suite.left() > 8:
       sdpa_attention(suite, case, dtname, 0.3)
-  if "s4096" in cases and suite.left() > 15:
+  if "s4096" in cases and "extras" in parts and suite.left() > 15:
     jax_api_direct(suite, cases["s4096"], dtname, 0.5,
                    {m: brs.get(("s4096", m)) for m in ("fwd", "fwd+bwd")})
 

@@ -2,6 +2,10 @@
 against Hugging Face eager, disentangled-flash and flashdeberta, in one run.
 
     python -m benchmarks.deberta --output deberta.json [--quick] [--smoke]
+    FOLDAX_DEBERTA_H2H=fold_torch,disentangled_flash \
+      python -m benchmarks.deberta --output h2h.json --quick
+        (forward points only, the implementations alternating per round:
+        the fair ratio on a machine whose speed drifts)
         [--budget-s 140] [--points ...] [--impls ...] [--train-impls ...]
     python -m benchmarks.run --suite deberta --output r.json   (same code)
 
@@ -88,6 +92,7 @@ import contextlib
 import copy
 import dataclasses
 import os
+import statistics
 import sys
 import time
 from typing import Any, Callable
@@ -840,6 +845,74 @@ class Suite:
     rec["notes"].append(f"attention backend {resolve_backend('auto')!r}; "
                         "dropout on (rngs={'dropout': key})")
 
+  # --- head to head -----------------------------------------------------------
+  def head_to_head(self, impls: tuple[str, ...], rounds: int = 8):
+    """Forward points, timed for `impls` in alternating rounds (A B, B A,
+    ...) of one batch each, so that drift of the machine (clocks, host
+    contention: the same implementation measured 8.4 and 12.1 ms in two
+    calls) falls on every implementation alike. Records kind="h2h" with
+    each implementation's median batch time and the median of the
+    per-round ratios against the first implementation."""
+    import torch
+    for point in self.points:
+      if point.mode != "fwd":
+        continue
+      ids, mask, _ = self.inputs(point)
+      dtype = self.torch_dtype(point)
+      calls = {}
+      with contextlib.ExitStack() as stack:
+        for impl in impls:  # disentangled-flash copies the HF model: first
+          if impl == "disentangled_flash":
+            m = self.df(dtype, train=False)
+            if isinstance(m, Exception):
+              raise m
+            m.encoder.activate_shape(point.L)
+            calls[impl] = m
+        for impl in impls:
+          if impl == "fold_torch":
+            calls[impl] = stack.enter_context(self.fold_torch(dtype))
+          elif impl == "hf_eager":
+            calls[impl] = self.hf(dtype)
+          elif impl not in calls:
+            raise ValueError(f"head_to_head: no torch model for {impl}")
+        fns = {i: (lambda m=m: m(input_ids=ids, attention_mask=mask
+                                 ).last_hidden_state)
+               for i, m in calls.items()}
+        times = {i: [] for i in impls}
+        with torch.no_grad():
+          for fn in fns.values():  # warm-up and the batch size
+            fn()
+          self.sync()
+          t = time.perf_counter()
+          fns[impls[0]]()
+          self.sync()
+          n = max(1, min(50, int(self.target_fwd / 2 /
+                                 max(time.perf_counter() - t, 1e-6))))
+          for r in range(rounds):
+            for impl in (impls if r % 2 == 0 else impls[::-1]):
+              self.sync()
+              t = time.perf_counter()
+              for _ in range(n):
+                fns[impl]()
+              self.sync()
+              times[impl].append((time.perf_counter() - t) / n * 1e3)
+      base = impls[0]
+      for impl in impls:
+        ratios = [b / a for a, b in zip(times[base], times[impl])]
+        rec = dict(kind="h2h", point=point.name, label=point.label,
+                   impl=impl, B=point.B, L=point.L, ragged=point.ragged,
+                   dtype=point.dtype, ms=statistics.median(times[impl]),
+                   ms_rounds=[round(x, 3) for x in times[impl]],
+                   calls_per_round=n, rounds=rounds,
+                   timer="host clock around n calls + device sync, "
+                         "implementations alternating per round",
+                   time_vs_first=statistics.median(ratios), first=base)
+        self.records.append(rec)
+        print(f"  h2h {point.label:28s} {impl:20s} {rec['ms']:8.2f} ms "
+              f"(rounds {min(times[impl]):.2f}-{max(times[impl]):.2f}); "
+              f"time / {base}: {rec['time_vs_first']:.3f}", flush=True)
+      self.write()
+
   # --- the points -------------------------------------------------------------
   def run_point(self, point: Point):
     print(f"== {point.label} (t={self.elapsed():.0f}s)", flush=True)
@@ -862,6 +935,11 @@ class Suite:
     add_ratios(by)
 
   def run(self) -> dict:
+    h2h = os.environ.get("FOLDAX_DEBERTA_H2H", "")
+    if h2h:  # only the head-to-head rounds
+      self.head_to_head(tuple(i.strip() for i in h2h.split(",") if i.strip()))
+      self.write(final=True)
+      return dict(status="ok", metadata=self.md, records=self.records)
     for p in self.points:
       self.run_point(p)
     # Optional extras, only with time to spare.

@@ -362,10 +362,13 @@ def test_gpu_matches_reference(case, dtype, compiler, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU")
-@pytest.mark.parametrize("compiler", COMPILERS)
-def test_gpu_matches_reference_long_gqa(compiler, monkeypatch):
+@pytest.mark.parametrize("compiler,head_dim", [
+    ("xla", 128), ("triton", 128), ("auto", 64)])
+def test_gpu_matches_reference_long_gqa(compiler, head_dim, monkeypatch):
+  """auto at D64: the shipped table's pip-Triton forward entry (128x64, 8
+  warps, 3 stages) with XLA's backward."""
   _use_compiler(monkeypatch, compiler)
-  _check_against_reference(b=2, sq=1000, sk=1000, hq=8, hkv=2, d=128,
+  _check_against_reference(b=2, sq=1000, sk=1000, hq=8, hkv=2, d=head_dim,
                            dtype=jnp.bfloat16, causal=True, backend="pallas")
 
 
