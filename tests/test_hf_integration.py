@@ -327,16 +327,18 @@ def test_deberta_fused_projections_match_the_modules(deberta_pair):
     torch.testing.assert_close(got, w.reshape(got.shape), atol=1e-5,
                                rtol=1e-5)
   assert _fused_projections(attn, x, None)[3] is None
-  # Without autograd the stacked weights are kept; a parameter changed in
-  # place is seen.
-  with torch.no_grad():
-    attn.key_proj.weight.mul_(2.0)
-    try:
+  # A weight changed in place through `.data` (invisible to version
+  # counters, as an EMA update does it) is seen by the next call.
+  k1 = _fused_projections(attn, x, rel)[1]
+  attn.key_proj.weight.data.mul_(2.0)
+  try:
+    with torch.no_grad():
       k2 = _fused_projections(attn, x, rel)[1]
       torch.testing.assert_close(k2, attn.key_proj(x).reshape(k2.shape),
                                  atol=1e-5, rtol=1e-5)
-    finally:
-      attn.key_proj.weight.div_(2.0)
+    assert not torch.allclose(k1, k2)
+  finally:
+    attn.key_proj.weight.data.div_(2.0)
   handle = attn.key_proj.register_forward_hook(lambda *a: None)
   try:
     assert _fused_projections(attn, x, rel) is None

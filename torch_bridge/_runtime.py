@@ -125,7 +125,12 @@ def derived(key: str, t, fn):
   """fn(t), recomputed only when `t` is another tensor or was modified in
   place since (one entry per key). An encoder hands every layer the same
   mask tensor: what each layer derives from it (dtype casts, lengths; a
-  few small torch ops, host time on every call) is derived once."""
+  few small torch ops, host time on every call) is derived once. In-place
+  changes through `.data` bypass the version counter: not for tensors
+  written that way. Under torch.compile, fn(t) every time (traced)."""
+  import torch
+  if torch.compiler.is_compiling():
+    return fn(t)
   hit = _derived.get(key)
   if hit is not None and hit[0]() is t and hit[1] == t._version:
     return hit[2]

@@ -382,29 +382,6 @@ def _plain_linear(m) -> bool:
           not m._forward_pre_hooks and not m._backward_hooks)
 
 
-def _stacked_weights(attn, mods):
-  """([3, in, out] weights, [3, 1, out] biases) of the three projections.
-  Without autograd they are kept on the module (an extra copy of the three
-  weights, 3.4 MiB per DeBERTa-v3-base layer in fp16) until a parameter is
-  replaced or changed in place; with autograd they are stacked on every
-  call, so gradients reach the parameters."""
-  params = [m.weight for m in mods] + [m.bias for m in mods]
-  grad = torch.is_grad_enabled() and any(p.requires_grad for p in params)
-  key = None
-  if not grad:
-    key = tuple((p.data_ptr(), p._version) for p in params)
-    hit = attn.__dict__.get("_foldax_stacked")
-    if hit is not None and hit[0] == key:
-      return hit[1]
-  got = (torch.stack(params[:3]).transpose(1, 2),
-         torch.stack(params[3:]).unsqueeze(1))
-  if key is not None:
-    attn.__dict__["_foldax_stacked"] = (key, got)
-  else:
-    attn.__dict__.pop("_foldax_stacked", None)
-  return got
-
-
 def _fused_projections(attn, hidden, rel):
   """The query, key and value projections of `hidden` ([b, s, hidden]) and,
   with `rel` ([r, hidden], HF's share_att_key), the query and key
@@ -428,7 +405,11 @@ def _fused_projections(attn, hidden, rel):
   n = x.shape[0]
   if rel is not None:
     x = torch.cat([x, rel])
-  w, bias = _stacked_weights(attn, mods)
+  # Stacked on every call (two small copies), not cached: a cache keyed on
+  # the parameters' version counters would miss in-place updates through
+  # `.data` (an EMA copy of the weights, for one), and serve stale weights.
+  w = torch.stack([m.weight for m in mods]).transpose(1, 2)  # [3, in, out]
+  bias = torch.stack([m.bias for m in mods]).unsqueeze(1)   # [3, 1, out]
   y = torch.baddbmm(bias, x.expand(3, *x.shape), w)         # [3, n(+r), out]
   if rel is None:
     return y[0], y[1], y[2], None, None
@@ -499,7 +480,6 @@ def restore(model: torch.nn.Module) -> torch.nn.Module:
   for m in model.modules():
     if isinstance(m, (FoldDisentangledSelfAttention, FoldDebertaV2Encoder)):
       m.__class__ = m._foldax_original
-      m.__dict__.pop("_foldax_stacked", None)
   return model
 
 
