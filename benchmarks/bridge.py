@@ -385,14 +385,13 @@ def _same_bits(a, b) -> bool:
   return bool(torch.equal(a.contiguous().view(it), b.contiguous().view(it)))
 
 
-def llama(suite: Suite, dev: str, smoke: bool, target_s: float) -> list[dict]:
+def llama_model(c: dict, dev: str, dtype):
+  """The benchmark's Llama (config dict `c`, LLAMA_GPU or LLAMA_CPU): random
+  weights from seed 0, in training mode, with "fold" registered."""
   import torch
   import torch_bridge.hf
   from transformers import LlamaConfig, LlamaForCausalLM
   torch_bridge.hf.register()
-  c = LLAMA_CPU if smoke else LLAMA_GPU
-  dt = torch.float32 if smoke else torch.bfloat16
-  dtname = "fp32" if smoke else "bf16"
   cfg = LlamaConfig(vocab_size=c["vocab"], hidden_size=c["hidden"],
                     intermediate_size=c["intermediate"],
                     num_hidden_layers=c["layers"],
@@ -403,7 +402,15 @@ def llama(suite: Suite, dev: str, smoke: bool, target_s: float) -> list[dict]:
   torch.manual_seed(0)
   with torch.device(dev):
     base = LlamaForCausalLM(cfg)
-  base.to(dt).train()
+  return base.to(dtype).train()
+
+
+def llama(suite: Suite, dev: str, smoke: bool, target_s: float) -> list[dict]:
+  import torch
+  c = LLAMA_CPU if smoke else LLAMA_GPU
+  dt = torch.float32 if smoke else torch.bfloat16
+  dtname = "fp32" if smoke else "bf16"
+  base = llama_model(c, dev, dt)
   n_params = sum(p.numel() for p in base.parameters())
   g = torch.Generator(device=dev).manual_seed(1)
   ids = torch.randint(0, c["vocab"], (c["batch"], c["seq"]), device=dev,

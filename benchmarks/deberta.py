@@ -846,6 +846,29 @@ class Suite:
                         "dropout on (rngs={'dropout': key})")
 
   # --- head to head -----------------------------------------------------------
+  def _h2h_models(self, impls, dtype, L: int, stack) -> dict:
+    """impl -> torch model, all alive at once. `fold_torch` swaps the
+    cached HF model's classes in place (undone when `stack` closes), so the
+    others are copies made before the swap."""
+    models = {}
+    for impl in impls:
+      if impl == "disentangled_flash":
+        m = self.df(dtype, train=False)
+        if isinstance(m, Exception):
+          raise m
+        m.encoder.activate_shape(L)
+        models[impl] = m
+      elif impl == "hf_eager":
+        key = ("hf_h2h", dtype)
+        if key not in self.cache:
+          self.cache[key] = copy.deepcopy(self.hf(dtype))
+        models[impl] = self.cache[key]
+      elif impl != "fold_torch":
+        raise ValueError(f"head_to_head: no torch model for {impl}")
+    if "fold_torch" in impls:
+      models["fold_torch"] = stack.enter_context(self.fold_torch(dtype))
+    return {i: models[i] for i in impls}
+
   def head_to_head(self, impls: tuple[str, ...], rounds: int = 8):
     """Forward points, timed for `impls` in alternating rounds (A B, B A,
     ...) of one batch each, so that drift of the machine (clocks, host
@@ -859,22 +882,8 @@ class Suite:
         continue
       ids, mask, _ = self.inputs(point)
       dtype = self.torch_dtype(point)
-      calls = {}
       with contextlib.ExitStack() as stack:
-        for impl in impls:  # disentangled-flash copies the HF model: first
-          if impl == "disentangled_flash":
-            m = self.df(dtype, train=False)
-            if isinstance(m, Exception):
-              raise m
-            m.encoder.activate_shape(point.L)
-            calls[impl] = m
-        for impl in impls:
-          if impl == "fold_torch":
-            calls[impl] = stack.enter_context(self.fold_torch(dtype))
-          elif impl == "hf_eager":
-            calls[impl] = self.hf(dtype)
-          elif impl not in calls:
-            raise ValueError(f"head_to_head: no torch model for {impl}")
+        calls = self._h2h_models(impls, dtype, point.L, stack)
         fns = {i: (lambda m=m: m(input_ids=ids, attention_mask=mask
                                  ).last_hidden_state)
                for i, m in calls.items()}

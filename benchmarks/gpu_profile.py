@@ -252,21 +252,9 @@ def _llama(args) -> dict:
   bf16) per attn_implementation."""
   import copy
   import torch
-  import torch_bridge.hf
-  from transformers import LlamaConfig, LlamaForCausalLM
   from benchmarks.bridge import LLAMA_GPU as c
-  torch_bridge.hf.register()
-  cfg = LlamaConfig(vocab_size=c["vocab"], hidden_size=c["hidden"],
-                    intermediate_size=c["intermediate"],
-                    num_hidden_layers=c["layers"],
-                    num_attention_heads=c["heads"],
-                    num_key_value_heads=c["kv_heads"],
-                    max_position_embeddings=c["seq"], attention_dropout=0.0,
-                    tie_word_embeddings=False, use_cache=False)
-  torch.manual_seed(0)
-  with torch.device("cuda"):
-    base = LlamaForCausalLM(cfg)
-  base.to(torch.bfloat16).train()
+  from benchmarks.bridge import llama_model
+  base = llama_model(c, "cuda", torch.bfloat16)
   ids = torch.randint(0, c["vocab"], (c["batch"], c["seq"]), device="cuda")
   out = {}
   for impl in args.impls.split(","):

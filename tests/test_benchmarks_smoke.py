@@ -293,6 +293,31 @@ def test_deberta_suite_smoke_run_and_plot(tmp_path):
   assert "Acceptance targets" in t and "foldax JAX model" in t
 
 
+def test_deberta_head_to_head_smoke(tmp_path, monkeypatch):
+  """FOLDAX_DEBERTA_H2H on the CPU: every forward point timed for both
+  implementations in rounds; the eager model is a copy that the fold swap
+  does not touch."""
+  import contextlib
+  import torch_bridge
+  from benchmarks import deberta as DB
+  monkeypatch.setenv("FOLDAX_DEBERTA_POINTS", "fwd-b2-l64-ragged")
+  args = DB.build_parser().parse_args(
+      ["--smoke", "--output", str(tmp_path / "h2h.json")])
+  s = DB.Suite(args, [])
+  fold_cls = torch_bridge.deberta.FoldDisentangledSelfAttention
+  with contextlib.ExitStack() as stack:
+    models = s._h2h_models(("fold_torch", "hf_eager"), s.torch_dtype(
+        s.points[0]), 64, stack)
+    assert any(isinstance(m, fold_cls) for m in models["fold_torch"].modules())
+    assert not any(isinstance(m, fold_cls)
+                   for m in models["hf_eager"].modules())
+  s.head_to_head(("fold_torch", "hf_eager"), rounds=2)
+  recs = [r for r in s.records if r["kind"] == "h2h"]
+  assert [r["impl"] for r in recs] == ["fold_torch", "hf_eager"]
+  assert all(r["ms"] > 0 and len(r["ms_rounds"]) == 2 for r in recs)
+  assert recs[0]["time_vs_first"] == 1.0
+
+
 def test_deberta_memory_tool_smoke(tmp_path):
   """benchmarks.deberta_memory on the tiny configuration: every remat mode
   compiles and reports XLA's buffer sizes (and the memory report head)."""

@@ -167,8 +167,9 @@ def _jax_dtype(dtype: torch.dtype):
 def _lean_launcher(kernel, grid):
   """launch(stream, *args) straight into the compiled kernel's C launcher,
   or None. Triton's `kernel[grid](*args)` looks up the current device and
-  stream and builds launch metadata on every call (about 25 us of host time
-  per launch on the H200's host, three or four launches per layer); the
+  stream and builds launch metadata on every call (about 30 us of host time
+  per launch besides the C launch, under cProfile on the H200's host:
+  benchmarks/results/h200/bridge-host-2026-12-03/prof-deberta-b1.json); the
   plans know the stream. Only for pip Triton 3.6, whose launcher's
   argument order this follows, and kernels without scratch buffers;
   launch hooks (profilers) take the full path at call time."""

@@ -387,8 +387,9 @@ def _fused_projections(attn, hidden, rel):
   with `rel` ([r, hidden], HF's share_att_key), the query and key
   projections of the relative embeddings, in one batched GEMM (baddbmm over
   the three stacked weights): one launch instead of up to five, each of
-  which costs tens of microseconds of host time (cuBLASLt's per-call
-  heuristic), and every result comes out contiguous (row slices of one
+  which cost about 50 us of host time under cProfile on the H200's host
+  (benchmarks/results/h200/bridge-host-2026-12-03/prof-deberta-b1.json),
+  and every result comes out contiguous (row slices of one
   [3, tokens, out] product), as the kernels want it. Returns (q, k, v,
   rel_q, rel_k) as [tokens, out] / [r, out] (rel_*: None without rel), or
   None where the projections are not plain biased nn.Linear layers of one
