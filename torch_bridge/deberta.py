@@ -50,6 +50,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import os
 from typing import Optional
 
 import torch
@@ -394,6 +395,8 @@ def _fused_projections(attn, hidden, rel):
   rel_q, rel_k) as [tokens, out] / [r, out] (rel_*: None without rel), or
   None where the projections are not plain biased nn.Linear layers of one
   shape (adapters, hooks): the caller runs the modules then."""
+  if os.environ.get("FOLDAX_TORCH_FUSED_PROJECTIONS", "1") == "0":
+    return None
   mods = (attn.query_proj, attn.key_proj, attn.value_proj)
   if not all(_plain_linear(m) and m.bias is not None for m in mods):
     return None
