@@ -547,3 +547,25 @@ def test_gpu_pallas_packed_equals_padded_bitwise():
   np.testing.assert_array_equal(np.asarray(o1)[valid], np.asarray(o2))
   for a, c in zip(g1, g2):
     np.testing.assert_array_equal(np.asarray(a)[valid], np.asarray(c))
+
+
+def test_blocks_follow_the_compiler(monkeypatch):
+  """pip Triton (the torch bridge's direct launch, inside
+  compiled_by("triton")) gets its own forward tiles; XLA's path keeps the
+  table's, whatever FOLDAX_KERNEL_COMPILER says (DeBERTa's JAX path is
+  always compiled by XLA)."""
+  from pallas_kernels.deberta.config import blocks_for
+  from pallas_kernels.flash.config import BlockSizes, compiled_by
+  monkeypatch.delenv("FOLDAX_DEBERTA_BLOCKS", raising=False)
+  kw = dict(dtype=jnp.float16, interpret=False, compute_capability=(9, 0))
+  xla = blocks_for(head_dim=64, **kw)
+  xla_128 = blocks_for(head_dim=128, **kw)
+  assert xla.fwd == BlockSizes(64, 128, 4, 2)
+  with compiled_by("triton"):
+    pip = blocks_for(head_dim=64, **kw)
+    # Measured at head_dim 64 only: larger heads keep XLA's rule.
+    assert blocks_for(head_dim=128, **kw).fwd == xla_128.fwd
+  assert pip.fwd == BlockSizes(64, 32, 4, 1)
+  assert pip.table == xla.table and pip.bwd_kv == xla.bwd_kv
+  monkeypatch.setenv("FOLDAX_KERNEL_COMPILER", "triton")
+  assert blocks_for(head_dim=64, **kw).fwd == xla.fwd

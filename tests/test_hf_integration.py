@@ -344,6 +344,10 @@ def test_deberta_fused_projections_match_the_modules(deberta_pair):
     assert _fused_projections(attn, x, rel) is None
   finally:
     handle.remove()
+  # Past the token limit (GPU-bound: the modules' fused bias epilogue wins).
+  limit = torch_bridge.deberta.FUSED_PROJECTIONS_MAX_TOKENS
+  assert _fused_projections(attn, torch.randn(1, limit, 64), None) is not None
+  assert _fused_projections(attn, torch.randn(1, limit + 1, 64), None) is None
 
 
 def test_deberta_fallback_to_hf_attention_matches_eager(deberta_pair):

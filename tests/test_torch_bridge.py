@@ -868,6 +868,9 @@ def test_direct_launch_captures_deberta_kernels(fake_h200, monkeypatch, c2p, p2c
                           "fold_deberta_forward"}
   assert plan.slots == 64
   assert plan.grids["fold_deberta_forward"][1:] == (2, 4)
+  # Captured at pip Triton's tiles (64 queries x 32 keys), not XLA's.
+  assert "tensor<64x32xf32" in plan.ir["fold_deberta_forward"]
+  assert "tensor<64x128xf32" not in plan.ir["fold_deberta_forward"]
   if compile_kernels:
     assert set(plan.kernels) == set(plan.ir)
 

@@ -489,9 +489,14 @@ class DebertaPlan(_Kernels):
     x = _sds((s.b, s.s, s.h, s.d), dt)
     pos = _sds((s.pos_rows, s.h, s.d), dt)
     mask = _sds((s.b, s.s), jnp.int32) if s.has_mask else None
+    from pallas_kernels.flash.config import compiled_by
     fn = jax.jit(functools.partial(tdb._jax_attention, cfg))
-    got = capture_triton_ir(fn, (x, x, x, pos if cfg.c2p else None,
-                                 pos if cfg.p2c else None, mask, None, None))
+    with compiled_by("triton"):  # pip Triton's block table (see config)
+      got = capture_triton_ir(fn, (x, x, x, pos if cfg.c2p else None,
+                                   pos if cfg.p2c else None, mask, None,
+                                   None))
+      blocks = blocks_for(head_dim=s.d, dtype=dt, interpret=False,
+                          compute_capability=cc)
     # Identical pallas_calls (the c2p and p2c tables: one kernel on
     # same-shaped operands) may be lowered once.
     names = list(dict.fromkeys(n for n, _, _ in got))
@@ -499,8 +504,6 @@ class DebertaPlan(_Kernels):
             ) + ["fold_deberta_forward"]
     if names != want:
       raise RuntimeError(f"torch_bridge: captured {names}; expected {want}")
-    blocks = blocks_for(head_dim=s.d, dtype=dt, interpret=False,
-                        compute_capability=cc)
     # cu, slot, [mask, used lengths], q, k, v, [c2p, p2c], out, lse2
     n_fwd = 2 + 2 * int(s.has_mask) + 3 + int(cfg.c2p) + int(cfg.p2c) + 2
     for name, ttir, grid in got:

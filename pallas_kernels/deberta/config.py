@@ -90,6 +90,18 @@ _H100 = {
     ("table", 2): BlockSizes(128, 128, 8, 1),
     ("table", 4): BlockSizes(64, 64, 4, 1),
 }
+# The same kernels' Triton IR compiled by pip Triton (the torch bridge's
+# direct launch, which looks its blocks up inside
+# `flash.config.compiled_by("triton")`). The two compilers make different
+# code of one IR: at 64x128 / 4 warps / 2 stages, XLA's runs both position
+# tables and the forward of one DeBERTa-v3-base layer at B16 L512 in 0.324
+# ms, pip Triton's in 0.508 ms; pip Triton's best tile of 23, 64x32 with 4
+# warps and 1 stage (126 registers, no spills; its software pipelining
+# makes the gathers slower), takes 0.437 ms there, 0.289 ms ragged and 1.032
+# ms at B4 L2048 (benchmarks/results/h200/deberta-direct-2026-12-03/).
+_H100_PIP_TRITON = {
+    ("fwd", 2): BlockSizes(64, 32, 4, 1),
+}
 INTERPRET_BLOCKS = DebertaBlocks(*(BlockSizes(16, 16, 4, 1),) * 4,
                                  BlockSizes(16, 32, 4, 1))
 
@@ -106,12 +118,16 @@ def blocks_for(*, head_dim: int, dtype, interpret: bool,
                compute_capability=None) -> DebertaBlocks:
   if interpret:
     return INTERPRET_BLOCKS
+  from pallas_kernels.flash.config import compiled_by_context
   itemsize = min(4, jnp.dtype(dtype).itemsize)
   over = _override()
+  pip = compiled_by_context() == "triton"
   picks = []
   for kern in KERNELS:
     b = _H100[(kern, itemsize)]
-    if head_dim > 64 and kern not in ("band", "table"):  # registers: halve the key side
+    if pip and head_dim <= 64 and (kern, itemsize) in _H100_PIP_TRITON:
+      b = _H100_PIP_TRITON[(kern, itemsize)]  # measured at head_dim 64
+    elif head_dim > 64 and kern not in ("band", "table"):  # registers: halve the key side
       b = BlockSizes(b.block_q, max(16, b.block_k // 2), max(b.num_warps, 8)
                      if itemsize == 2 else b.num_warps, b.num_stages)
     if compute_capability is not None and compute_capability[0] < 9:

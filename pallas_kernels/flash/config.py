@@ -145,6 +145,13 @@ def compiled_by(compiler: Compiler):
     _compiler.reset(token)
 
 
+def compiled_by_context() -> str | None:
+  """The compiler of an enclosing `compiled_by`, else None (the kernels
+  whose only GPU path is XLA's, such as DeBERTa's through JAX, follow
+  `compiled_by` alone, not FOLDAX_KERNEL_COMPILER)."""
+  return _compiler.get()
+
+
 def compiler_setting() -> str:
   """"xla", "triton" or "auto": `compiled_by`'s, else
   FOLDAX_KERNEL_COMPILER's (default DEFAULT_COMPILER)."""
