@@ -3,6 +3,8 @@ forward and backward kernels."""
 
 from __future__ import annotations
 
+import os
+
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -123,11 +125,15 @@ def position_bias(cfg: KernelConfig, kind: str, *, slot_ref, c_ref, p_ref,
   # the transposed orientation (rows along the first axis, so neighbouring
   # lanes read neighbouring columns of one row: coalesced) and transposed
   # back.
-  if (cfg.c2p and k_major) or (cfg.p2c and not k_major):
+  direct = os.environ.get("FOLDAX_DEBERTA_GATHER", "") == "direct"
+  if ((cfg.c2p and k_major) or (cfg.p2c and not k_major)) and not direct:
     slot_t = load(slot_ref.at[band_columns(cfg, q_pos, k_pos, not k_major)])
   bias = None
   if cfg.c2p:
-    if k_major:  # query rows run along axis 1
+    if k_major and direct:
+      rows = jnp.broadcast_to(q_rows[None, :], w.shape)
+      t = load(c_ref.at[rows, slot]).astype(jnp.float32)
+    elif k_major:  # query rows run along axis 1
       rows = jnp.broadcast_to(q_rows[:, None], slot_t.shape)
       t = load(c_ref.at[rows, slot_t]).astype(jnp.float32).T
     else:
@@ -137,6 +143,9 @@ def position_bias(cfg: KernelConfig, kind: str, *, slot_ref, c_ref, p_ref,
   if cfg.p2c:
     if k_major:
       rows = jnp.broadcast_to(k_rows[:, None], w.shape)
+      t = load(p_ref.at[rows, slot]).astype(jnp.float32)
+    elif direct:
+      rows = jnp.broadcast_to(k_rows[None, :], w.shape)
       t = load(p_ref.at[rows, slot]).astype(jnp.float32)
     else:  # key rows run along axis 1
       rows = jnp.broadcast_to(k_rows[:, None], slot_t.shape)
