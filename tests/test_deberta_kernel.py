@@ -565,7 +565,40 @@ def test_blocks_follow_the_compiler(monkeypatch):
     pip = blocks_for(head_dim=64, **kw)
     # Measured at head_dim 64 only: larger heads keep XLA's rule.
     assert blocks_for(head_dim=128, **kw).fwd == xla_128.fwd
-  assert pip.fwd == BlockSizes(64, 32, 4, 1)
+  assert pip.fwd == BlockSizes(64, 64, 4, 2)
   assert pip.table == xla.table and pip.bwd_kv == xla.bwd_kv
   monkeypatch.setenv("FOLDAX_KERNEL_COMPILER", "triton")
   assert blocks_for(head_dim=64, **kw).fwd == xla.fwd
+
+
+def test_gather_orientations_give_the_same_bits(monkeypatch):
+  """KernelConfig.gather only changes how the band tiles read the second
+  table (directly, or transposed through shared memory): forward and every
+  gradient have the same bits either way, and match the reference."""
+  b, s, h, d = 2, 37, 2, 16
+  (q, k, v, pk, pq), _ = _inputs(5, (b, s, h, d), 2 * BUCKETS + 3)
+  mask = _ragged([37, 22], s)
+  dout = jax.random.normal(jax.random.key(9), q.shape, jnp.float32)
+
+  def run():
+    def loss(q, k, v, pk, pq):
+      o = disentangled_attention(q, k, v, pk, pq, attention_mask=mask,
+                                 pos_att_type=BOTH, backend="interpret",
+                                 **POS)
+      return jnp.sum(o * dout), o
+    (_, o), g = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4),
+                                   has_aux=True)(q, k, v, pk, pq)
+    return [np.asarray(x) for x in (o, *g)]
+
+  got = {}
+  for mode in ("direct", "transposed"):
+    monkeypatch.setenv("FOLDAX_DEBERTA_GATHER", mode)
+    got[mode] = run()
+  for a, c in zip(got["direct"], got["transposed"]):
+    np.testing.assert_array_equal(a, c)
+  r = disentangled_attention_reference(q, k, v, pk, pq, attention_mask=mask,
+                                       pos_att_type=BOTH, **POS)
+  _assert_close(got["direct"][0], r, mask.astype(bool))
+  monkeypatch.setenv("FOLDAX_DEBERTA_GATHER", "sideways")
+  with pytest.raises(ValueError, match="FOLDAX_DEBERTA_GATHER"):
+    run()

@@ -100,6 +100,22 @@ def _bwd(cfg, blocks, max_seqlen, interpret, res, do):
 _kernel_attention.defvjp(_fwd, _bwd)
 
 
+def _gather_orientation() -> str:
+  """KernelConfig.gather: "direct" for pip Triton's compile (the torch
+  bridge's direct launch, inside `compiled_by("triton")`), where it was
+  measured faster; "transposed" for XLA's. FOLDAX_DEBERTA_GATHER
+  ("direct" / "transposed") overrides both (for measuring); the bits are
+  the same either way."""
+  from pallas_kernels.flash.config import compiled_by_context
+  env = os.environ.get("FOLDAX_DEBERTA_GATHER", "")
+  if env:
+    if env not in ("direct", "transposed"):
+      raise ValueError("FOLDAX_DEBERTA_GATHER must be 'direct' or "
+                       f"'transposed'; got {env!r}.")
+    return env
+  return "direct" if compiled_by_context() == "triton" else "transposed"
+
+
 def _check_pos(name, pos, span, h, d, dtype):
   val.check_array(name, pos, ndim=3, layout="[2*att_span, heads, head_dim]")
   val.check_float_dtype(name, pos)
@@ -215,7 +231,7 @@ def disentangled_attention(
   split = (split_env == "1") if split_env in ("0", "1") else (
       be != "interpret")
   cfg = KernelConfig(geo, c2p, p2c, attention_mask is not None and not packed,
-                     rate, d, split)
+                     rate, d, split, _gather_orientation())
 
   if be == "xla":
     if packed:

@@ -3,8 +3,6 @@ forward and backward kernels."""
 
 from __future__ import annotations
 
-import os
-
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -125,7 +123,7 @@ def position_bias(cfg: KernelConfig, kind: str, *, slot_ref, c_ref, p_ref,
   # the transposed orientation (rows along the first axis, so neighbouring
   # lanes read neighbouring columns of one row: coalesced) and transposed
   # back.
-  direct = os.environ.get("FOLDAX_DEBERTA_GATHER", "") == "direct"
+  direct = cfg.gather == "direct"
   if ((cfg.c2p and k_major) or (cfg.p2c and not k_major)) and not direct:
     slot_t = load(slot_ref.at[band_columns(cfg, q_pos, k_pos, not k_major)])
   bias = None

@@ -38,6 +38,22 @@ class KernelConfig:
   # so the bits do not depend on it; interpret mode turns it off to halve
   # the traced loop bodies (compile time).
   split_full_tiles: bool = True
+  # How a band tile reads the table whose rows run along the tile's second
+  # axis (p2c in the forward, c2p in the backward): "transposed" gathers
+  # it with that axis first (neighbouring lanes read neighbouring columns of
+  # one table row) and transposes the tile in shared memory; "direct"
+  # gathers it in the tile's own orientation, with one slot gather for both
+  # tables and no transpose. The gathered values are the same, so the bits
+  # do not depend on it. Measured on the H200 for pip Triton's compile of
+  # the forward (benchmarks/results/h200/deberta-direct-2026-12-03/): one
+  # DeBERTa-v3-base layer at B16 L512 in 0.355 ms direct (64x64 tiles)
+  # against 0.440 ms transposed (its best tile, 64x32).
+  gather: str = "transposed"
+
+  def __post_init__(self):
+    if self.gather not in ("transposed", "direct"):
+      raise ValueError(f"gather must be 'transposed' or 'direct'; got "
+                       f"{self.gather!r}.")
 
   @property
   def n_terms(self) -> int:
@@ -95,12 +111,13 @@ _H100 = {
 # `flash.config.compiled_by("triton")`). The two compilers make different
 # code of one IR: at 64x128 / 4 warps / 2 stages, XLA's runs both position
 # tables and the forward of one DeBERTa-v3-base layer at B16 L512 in 0.324
-# ms, pip Triton's in 0.508 ms; pip Triton's best tile of 23, 64x32 with 4
-# warps and 1 stage (126 registers, no spills; its software pipelining
-# makes the gathers slower), takes 0.437 ms there, 0.289 ms ragged and 1.032
-# ms at B4 L2048 (benchmarks/results/h200/deberta-direct-2026-12-03/).
+# ms, pip Triton's in 0.508 ms (transposed gathers). With direct gathers
+# (KernelConfig.gather, which pip Triton's path uses), 64x64 with 4 warps
+# and 2 stages was the fastest of six over the three points: 0.355 ms
+# there, 0.235 ms ragged, 0.865 ms at B4 L2048
+# (benchmarks/results/h200/deberta-direct-2026-12-03/).
 _H100_PIP_TRITON = {
-    ("fwd", 2): BlockSizes(64, 32, 4, 1),
+    ("fwd", 2): BlockSizes(64, 64, 4, 2),
 }
 INTERPRET_BLOCKS = DebertaBlocks(*(BlockSizes(16, 16, 4, 1),) * 4,
                                  BlockSizes(16, 32, 4, 1))
