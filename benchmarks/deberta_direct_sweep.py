@@ -11,7 +11,7 @@ the same inputs, so the two compilers are compared tile by tile.
 
   python -m benchmarks.deberta_direct_sweep --out /tmp/dsweep.json \
       [--points b16-l512,b16-l512-ragged,b4-l2048] \
-      [--fwd "64,128,4,2;64,64,8,2"] [--xla]
+      [--fwd "64,128,4,2;64,64,8,2"] [--table "128,128,8,1"] [--xla]
 """
 
 from __future__ import annotations
@@ -32,6 +32,9 @@ def main(argv=None):
   p.add_argument("--out", required=True)
   p.add_argument("--points", default="b16-l512,b16-l512-ragged,b4-l2048")
   p.add_argument("--fwd", default=_FWD)
+  p.add_argument("--table", default="",
+                 help="position-table GEMM tiles to time (with the shipped "
+                      "forward tiles) after the forward candidates")
   p.add_argument("--xla", action="store_true",
                  help="also time the XLA-compiled JAX path per candidate")
   p.add_argument("--target-s", type=float, default=0.4)
@@ -73,12 +76,15 @@ def main(argv=None):
     m = mask.to("cuda", torch.int32)
     inputs[name] = (t, m, b, l)
   base = {}
-  for bs in _parse_blocks(a.fwd):
+  jobs = [("fwd", bs) for bs in _parse_blocks(a.fwd)]
+  jobs += [("table", bs) for bs in _parse_blocks(a.table)]
+  for kern, bs in jobs:
     path = os.path.join(tmp, f"o{len(records)}.json")
     with open(path, "w") as f:
-      json.dump({f"fwd/{d}/2": bs.to_dict()}, f)
+      json.dump({f"{kern}/{d}/2": bs.to_dict()}, f)
     os.environ["FOLDAX_DEBERTA_BLOCKS"] = path
-    tag = f"{bs.block_q}x{bs.block_k}/w{bs.num_warps}s{bs.num_stages}"
+    tag = (f"{'table ' if kern == 'table' else ''}{bs.block_q}x{bs.block_k}"
+           f"/w{bs.num_warps}s{bs.num_stages}")
     for name, (t, m, b, l) in inputs.items():
       r = dict(blocks=tag, point=name)
       try:
@@ -126,7 +132,7 @@ def main(argv=None):
     for r in sorted((r for r in ok if r["point"] == name),
                     key=lambda r: r["direct"]["ms"]):
       x = f"  xla {r['xla']['ms']:.3f}" if "xla" in r else ""
-      print(f"  {r['blocks']:>16}  direct {r['direct']['ms']:.3f} ms{x}",
+      print(f"  {r['blocks']:>22}  direct {r['direct']['ms']:.3f} ms{x}",
             flush=True)
   dump()
 
