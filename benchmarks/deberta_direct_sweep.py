@@ -50,6 +50,10 @@ def main(argv=None):
   from torch_bridge import _direct
   from torch_bridge import deberta as tdb
 
+  if not torch.cuda.is_available():
+    raise SystemExit("benchmarks.deberta_direct_sweep times the torch "
+                     "bridge's launch on CUDA: it needs an NVIDIA GPU (the "
+                     "JAX path's own sweep: benchmarks.deberta_sweep).")
   heads, d, rows = 12, 64, 512
   cfg = tdb._static("pallas", 256, 512, True, True, 0.0, 0)
   cc = torch.cuda.get_device_capability()

@@ -350,3 +350,18 @@ def test_deberta_sweep_tool_smoke(tmp_path):
       ("fwd", "b2-l32"), ("fwd", "b2-l32-ragged")] * 2 + [
       ("table", "b2-l32"), ("table", "b2-l32-ragged")]
   assert all(x["finite"] and x["ms"] > 0 for x in rows)
+
+
+def test_deberta_direct_sweep_needs_cuda():
+  """benchmarks.deberta_direct_sweep (the torch bridge's pip-Triton launch)
+  imports and parses its tile lists on CPU, then stops with a clear
+  message instead of a traceback."""
+  from benchmarks.kernel_probe import _parse_blocks
+  from pallas_kernels.flash.config import BlockSizes
+  assert _parse_blocks("64,64,4,2;128,128,8,1") == [
+      BlockSizes(64, 64, 4, 2), BlockSizes(128, 128, 8, 1)]
+  assert _parse_blocks("") == []
+  r = _run(["-m", "benchmarks.deberta_direct_sweep", "--out", "/dev/null",
+            "--fwd", "", "--table", "128,128,8,1"], timeout=120)
+  assert r.returncode != 0
+  assert "needs an NVIDIA GPU" in r.stderr, r.stderr[-2000:]
