@@ -122,7 +122,9 @@ def position_bias(cfg: KernelConfig, kind: str, *, slot_ref, c_ref, p_ref,
   # The table whose rows run along the tile's *second* axis is gathered in
   # the transposed orientation (rows along the first axis, so neighbouring
   # lanes read neighbouring columns of one row: coalesced) and transposed
-  # back.
+  # back, or with cfg.gather == "direct" in the tile's own orientation (one
+  # slot gather serves both tables, no transpose through shared memory:
+  # faster as pip Triton compiles it, see KernelConfig.gather).
   direct = cfg.gather == "direct"
   if ((cfg.c2p and k_major) or (cfg.p2c and not k_major)) and not direct:
     slot_t = load(slot_ref.at[band_columns(cfg, q_pos, k_pos, not k_major)])
