@@ -478,6 +478,7 @@ class DebertaPlan(_Kernels):
     import jax.numpy as jnp
     from pallas_kernels.deberta._geometry import geometry
     from pallas_kernels.deberta.config import blocks_for
+    from pallas_kernels.flash.config import compiled_by
     from torch_bridge import deberta as tdb
     super().__init__(compile_kernels)
     s = shape
@@ -489,7 +490,6 @@ class DebertaPlan(_Kernels):
     x = _sds((s.b, s.s, s.h, s.d), dt)
     pos = _sds((s.pos_rows, s.h, s.d), dt)
     mask = _sds((s.b, s.s), jnp.int32) if s.has_mask else None
-    from pallas_kernels.flash.config import compiled_by
     fn = jax.jit(functools.partial(tdb._jax_attention, cfg))
     with compiled_by("triton"):  # pip Triton's block table (see config)
       got = capture_triton_ir(fn, (x, x, x, pos if cfg.c2p else None,

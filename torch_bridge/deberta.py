@@ -398,9 +398,10 @@ def _fused_projections(attn, hidden, rel):
   """The query, key and value projections of `hidden` ([b, s, hidden]) and,
   with `rel` ([r, hidden], HF's share_att_key), the query and key
   projections of the relative embeddings, in one batched GEMM (baddbmm over
-  the three stacked weights): one launch instead of up to five, each of
+  the three stacked weights) instead of up to five nn.Linear calls, each of
   which cost about 50 us of host time under cProfile on the H200's host
-  (benchmarks/results/h200/bridge-host-2026-12-03/prof-deberta-b1.json),
+  (benchmarks/results/h200/bridge-host-2026-12-03/prof-deberta-b1.json;
+  the concatenation and stacking around it are plain copies),
   and every result comes out contiguous (row slices of one
   [3, tokens, out] product), as the kernels want it. Returns (q, k, v,
   rel_q, rel_k) as [tokens, out] / [r, out] (rel_*: None without rel), or

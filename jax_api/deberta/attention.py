@@ -22,7 +22,7 @@ from pallas_kernels.deberta import _dropout
 from pallas_kernels.deberta._geometry import geometry
 from pallas_kernels.deberta.backward import disentangled_backward
 from pallas_kernels.deberta.config import (DebertaBlocks, KernelConfig,
-                                           blocks_for)
+                                           blocks_for, gather_orientation)
 from pallas_kernels.deberta.forward import (disentangled_forward,
                                             position_table)
 from jax_api.deberta._xla import xla_disentangled
@@ -98,22 +98,6 @@ def _bwd(cfg, blocks, max_seqlen, interpret, res, do):
 
 
 _kernel_attention.defvjp(_fwd, _bwd)
-
-
-def _gather_orientation() -> str:
-  """KernelConfig.gather: "direct" for pip Triton's compile (the torch
-  bridge's direct launch, inside `compiled_by("triton")`), where it was
-  measured faster; "transposed" for XLA's. FOLDAX_DEBERTA_GATHER
-  ("direct" / "transposed") overrides both (for measuring); the bits are
-  the same either way."""
-  from pallas_kernels.flash.config import compiled_by_context
-  env = os.environ.get("FOLDAX_DEBERTA_GATHER", "")
-  if env:
-    if env not in ("direct", "transposed"):
-      raise ValueError("FOLDAX_DEBERTA_GATHER must be 'direct' or "
-                       f"'transposed'; got {env!r}.")
-    return env
-  return "direct" if compiled_by_context() == "triton" else "transposed"
 
 
 def _check_pos(name, pos, span, h, d, dtype):
@@ -231,7 +215,7 @@ def disentangled_attention(
   split = (split_env == "1") if split_env in ("0", "1") else (
       be != "interpret")
   cfg = KernelConfig(geo, c2p, p2c, attention_mask is not None and not packed,
-                     rate, d, split, _gather_orientation())
+                     rate, d, split, gather_orientation())
 
   if be == "xla":
     if packed:

@@ -154,5 +154,21 @@ def blocks_for(*, head_dim: int, dtype, interpret: bool,
   return DebertaBlocks(*picks)
 
 
+def gather_orientation() -> str:
+  """KernelConfig.gather for the compiler in use, chosen like the tiles:
+  "direct" for pip Triton's compile (the torch bridge's direct launch,
+  inside `flash.config.compiled_by("triton")`), where it measured faster;
+  "transposed" for XLA's. FOLDAX_DEBERTA_GATHER ("direct" / "transposed")
+  overrides both (for measuring); the bits are the same either way."""
+  from pallas_kernels.flash.config import compiled_by_context
+  env = os.environ.get("FOLDAX_DEBERTA_GATHER", "")
+  if env:
+    if env not in ("direct", "transposed"):
+      raise ValueError("FOLDAX_DEBERTA_GATHER must be 'direct' or "
+                       f"'transposed'; got {env!r}.")
+    return env
+  return "direct" if compiled_by_context() == "triton" else "transposed"
+
+
 def head_dim_pad(head_dim: int) -> int:
   return max(16, 1 << math.ceil(math.log2(head_dim)))
