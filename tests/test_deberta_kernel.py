@@ -572,9 +572,10 @@ def test_blocks_follow_the_compiler(monkeypatch):
 
 
 def test_gather_orientations_give_the_same_bits(monkeypatch):
-  """KernelConfig.gather (`config.gather_orientation`) only changes how the band tiles read the second
-  table (directly, or transposed through shared memory): forward and every
-  gradient have the same bits either way, and match the reference."""
+  """KernelConfig.gather (`config.gather_orientation`) only changes how the
+  band tiles read the second table (directly, or transposed through shared
+  memory): forward and every gradient have the same bits either way, and
+  match the reference."""
   b, s, h, d = 2, 37, 2, 16
   (q, k, v, pk, pq), _ = _inputs(5, (b, s, h, d), 2 * BUCKETS + 3)
   mask = _ragged([37, 22], s)
