@@ -251,14 +251,20 @@ BWD_PROBE_CONFIGS = (
 )
 
 
+def _blocks(item):
+  """'bq,bk,warps,stages[,heads_per_wave]' -> BlockSizes."""
+  bq, bk, w, st, *wave = (int(x) for x in item.split(","))
+  return BlockSizes(bq, bk, w, st, heads_per_wave=wave[0] if wave else 0)
+
+
 def _parse_bwd_configs(spec):
-  """'64,64,4,2/128,64,4,2;...' -> [(BlockSizes, BlockSizes), ...]."""
+  """'64,64,4,2/128,64,4,2;...' -> [(BlockSizes, BlockSizes), ...]; a fifth
+  number per kernel sets its heads_per_wave."""
   out = []
   for item in spec.replace(" ", "").split(";"):
     if item:
       kv, dq = item.split("/")
-      out.append((BlockSizes(*(int(x) for x in kv.split(","))),
-                  BlockSizes(*(int(x) for x in dq.split(",")))))
+      out.append((_blocks(kv), _blocks(dq)))
   return out
 
 
@@ -271,9 +277,9 @@ def _probe_compiler(bs: BlockSizes) -> BlockSizes:
 
 
 def _parse_blocks(spec):
-  """'128,64,4,2;128,128,8,3' -> [BlockSizes, ...]."""
-  return [BlockSizes(*(int(x) for x in item.split(",")))
-          for item in spec.replace(" ", "").split(";") if item]
+  """'128,64,4,2;128,128,8,3,4' -> [BlockSizes, ...] (a fifth number sets
+  heads_per_wave)."""
+  return [_blocks(item) for item in spec.replace(" ", "").split(";") if item]
 
 
 def fwd_probe(records, configs, b=2, s=8192, h=16, d=128, causal=True,
@@ -347,7 +353,8 @@ def fwd_probe(records, configs, b=2, s=8192, h=16, d=128, causal=True,
   for r in sorted(ok, key=lambda r: r["ms"]):
     bl = r["blocks"]
     print(f"{r['impl']:16s} {bl['block_q']:4d} {bl['block_k']:4d} "
-          f"w{bl['num_warps']} s{bl['num_stages']}  {r['ms']:.3f} ms  "
+          f"w{bl['num_warps']} s{bl['num_stages']} "
+          f"hw{bl.get('heads_per_wave', 0)}  {r['ms']:.3f} ms  "
           f"{r['tflops']:6.1f} TFLOP/s", flush=True)
 
 
@@ -404,7 +411,8 @@ def bwd_probe(records, configs, b=2, s=8192, h=16, d=128, causal=True,
                                   blocks=kv_bs, dq_blocks=dq_bs,
                                   max_seqlen_q=s, max_seqlen_k=s,
                                   interpret=interpret,
-                                  dq_mode="recompute")[:3])
+                                  dq_mode="recompute",
+                                  all_tokens_in_sequences=True)[:3])
       t0 = time.perf_counter()
       g1 = jax.block_until_ready(fn(pq, pk, pv, out, lse2, pdo))
       compile_s = time.perf_counter() - t0
@@ -439,8 +447,10 @@ def bwd_probe(records, configs, b=2, s=8192, h=16, d=128, causal=True,
   for r in sorted(ok, key=lambda r: r["bwd_ms"]):
     a, c = r["dkdv"], r["dq"]
     print(f"dkdv {a['block_q']:3d}x{a['block_k']:<3d} w{a['num_warps']} "
-          f"s{a['num_stages']} | dq {c['block_q']:3d}x{c['block_k']:<3d} "
-          f"w{c['num_warps']} s{c['num_stages']}  bwd {r['bwd_ms']:.3f} ms "
+          f"s{a['num_stages']} hw{a.get('heads_per_wave', 0)} | dq "
+          f"{c['block_q']:3d}x{c['block_k']:<3d} w{c['num_warps']} "
+          f"s{c['num_stages']} hw{c.get('heads_per_wave', 0)}  bwd "
+          f"{r['bwd_ms']:.3f} ms "
           f"{r['bwd_tflops']:6.1f} TFLOP/s  fwd+bwd {r['fwd_bwd_ms']:.3f} ms "
           f"{r['fwd_bwd_tflops']:6.1f}  repeatable "
           f"{r['bitwise_repeatable']}", flush=True)
@@ -624,6 +634,8 @@ def main(argv=None):
                       "blocks) for --bwd-probe and --ir-stats --bwd "
                       "(default: BWD_PROBE_CONFIGS)")
   p.add_argument("--bwd-reps", type=int, default=10)
+  p.add_argument("--bwd-budget", type=float, default=60.0,
+                 help="seconds after which --bwd-probe skips candidates")
   a = p.parse_args(argv)
   bwd_configs = (_parse_bwd_configs(a.bwd_configs) if a.bwd_configs else
                  [(BlockSizes(*kv), BlockSizes(*dq))
@@ -644,7 +656,8 @@ def main(argv=None):
     b, s_, h, d, *hkv = (int(x) for x in a.fwd_shape.split(","))
     bwd_probe(records, bwd_configs, b=b, s=s_, h=h, d=d, reps=a.bwd_reps,
               inner=1 if a.interpret else 5, out_path=a.out,
-              interpret=a.interpret, hkv=hkv[0] if hkv else None)
+              interpret=a.interpret, hkv=hkv[0] if hkv else None,
+              budget_s=a.bwd_budget)
     return
   if a.fwd_probe:
     configs = [_probe_compiler(c) for c in (

@@ -25,10 +25,13 @@ from pallas_kernels.reference.dense import dense_mask_spec, varlen_mask_spec
 
 
 @functools.partial(jax.custom_vjp,
-                   nondiff_argnums=(8, 9, 10, 11, 12, 13, 14))
+                   nondiff_argnums=(8, 9, 10, 11, 12, 13, 14, 15))
 def _flash(q, k, v, sinks, cu_q, cu_k, q_seg, k_seg, cfg: MaskConfig,
            fwd_blocks: BlockSizes, bwd_blocks: BlockSizes, max_seqlen_q: int,
-           max_seqlen_k: int, interpret: bool, dq_reduction: str):
+           max_seqlen_k: int, interpret: bool, dq_reduction: str,
+           padded_batch: bool):
+  """padded_batch: every token belongs to a sequence (cu_seqlens[-1] is the
+  token count), so the backward need not zero tokens outside them."""
   out, lse2 = flash_forward(q, k, v, cu_q, cu_k, q_seg, k_seg, sinks,
                             cfg=cfg, blocks=fwd_blocks,
                             max_seqlen_q=max_seqlen_q, interpret=interpret)
@@ -42,7 +45,8 @@ def _natural_lse(lse2):
 
 
 def _flash_fwd(q, k, v, sinks, cu_q, cu_k, q_seg, k_seg, cfg, fwd_blocks,
-               bwd_blocks, max_seqlen_q, max_seqlen_k, interpret, dq_reduction):
+               bwd_blocks, max_seqlen_q, max_seqlen_k, interpret, dq_reduction,
+               padded_batch):
   out, lse2 = flash_forward(q, k, v, cu_q, cu_k, q_seg, k_seg, sinks,
                             cfg=cfg, blocks=fwd_blocks,
                             max_seqlen_q=max_seqlen_q, interpret=interpret)
@@ -51,14 +55,15 @@ def _flash_fwd(q, k, v, sinks, cu_q, cu_k, q_seg, k_seg, cfg, fwd_blocks,
 
 
 def _flash_bwd(cfg, fwd_blocks, bwd_blocks, max_seqlen_q, max_seqlen_k,
-               interpret, dq_reduction, res, cotangents):
+               interpret, dq_reduction, padded_batch, res, cotangents):
   q, k, v, sinks, cu_q, cu_k, q_seg, k_seg, out, lse2 = res
   do, dlse = cotangents
   dlse = jnp.where(jnp.isfinite(dlse), dlse, 0.0).astype(jnp.float32)
   dq, dk, dv, dsinks = flash_backward(
       q, k, v, out, lse2, do.astype(q.dtype), cu_q, cu_k, q_seg, k_seg, sinks,
       dlse, cfg=cfg, blocks=bwd_blocks, max_seqlen_q=max_seqlen_q,
-      max_seqlen_k=max_seqlen_k, interpret=interpret, dq_mode=dq_reduction)
+      max_seqlen_k=max_seqlen_k, interpret=interpret, dq_mode=dq_reduction,
+      all_tokens_in_sequences=padded_batch)
   if sinks is not None:
     dsinks = dsinks.astype(sinks.dtype)
   return dq, dk, dv, dsinks, None, None, None, None
@@ -164,7 +169,8 @@ def fold_attn_func(q: jax.Array, k: jax.Array, v: jax.Array, *,
     q_seg, k_seg = segs[0].reshape(-1), segs[1].reshape(-1)
   out, lse = _flash(q.reshape(b * sq, hq, d), k.reshape(b * sk, *k.shape[2:]),
                     v.reshape(b * sk, *v.shape[2:]), sinks, cu_q, cu_k, q_seg,
-                    k_seg, cfg, plan[0], plan[1], sq, sk, interpret, plan[2])
+                    k_seg, cfg, plan[0], plan[1], sq, sk, interpret, plan[2],
+                    True)
   out = out.reshape(b, sq, hq, d)
   if not return_lse:
     return out
@@ -228,7 +234,7 @@ def fold_attn_varlen_func(q: jax.Array, k: jax.Array, v: jax.Array,
     plan = _kernel_plan(q.shape[-1], q.dtype, interpret)
     out, lse = _flash(q, k, v, sinks, cu_q, cu_k, None, None, cfg, plan[0],
                       plan[1], mq or q.shape[0], mk or k.shape[0], interpret,
-                      plan[2])
+                      plan[2], False)
     # Rows outside every sequence are never written by the kernel.
     in_seq = token_sequence_ids(cu_q, q.shape[0]) < cu_q.shape[0] - 1
     out = jnp.where(in_seq[:, None, None], out, 0).astype(q.dtype)

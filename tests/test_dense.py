@@ -458,3 +458,67 @@ def test_block_table_override(tmp_path, monkeypatch):
   assert block_sizes_for(compute_capability=(9, 0), head_dim=128,
                          dtype=jnp.bfloat16, mode="fwd",
                          interpret=False) != got
+
+
+def test_launch_order_runs_every_program_once():
+  """Every (tile, sequence, head) is run by exactly one program, for any
+  wave size; within a wave the costliest tile of every head comes first;
+  the wave fits L2 when sized automatically."""
+  from pallas_kernels.flash import _tiles
+  for heads, wave, reverse in [(8, 1, True), (8, 2, False), (8, 8, True),
+                               (6, 3, False)]:
+    order = _tiles.launch_order(n_tiles=5, num_seqs=3, heads=heads,
+                                heads_per_wave=wave, bytes_per_head=1,
+                                reverse=reverse)
+    ga, gb, gc = order.grid
+    launched = [order.tile_seq_head(a, b, c) for c in range(gc)
+                for b in range(gb) for a in range(ga)]  # x fastest
+    assert sorted(launched) == [(t, s, h) for t in range(5) for s in range(3)
+                                for h in range(heads)]
+    costliest = 4 if reverse else 0
+    assert [t for t, _, _ in launched[:wave]] == [costliest] * wave
+  mb = 1 << 20
+  auto = lambda **kw: _tiles.launch_order(
+      n_tiles=1, num_seqs=1, heads_per_wave=0, reverse=True, **kw)
+  assert auto(heads=16, bytes_per_head=4 * mb).heads_per_wave == 4
+  assert auto(heads=16, bytes_per_head=4 * mb,
+              heads_sharing=4).heads_per_wave == 16
+  assert auto(heads=12, bytes_per_head=5 * mb).heads_per_wave == 3
+  assert auto(heads=16, bytes_per_head=64 * mb).heads_per_wave == 1
+  # A set wave is a cap: the largest divisor of the heads up to it.
+  assert _tiles.launch_order(n_tiles=1, num_seqs=1, heads=16, heads_per_wave=7,
+                             bytes_per_head=1, reverse=True).heads_per_wave == 4
+  with pytest.raises(ValueError, match="heads_per_wave"):
+    _tiles.launch_order(n_tiles=1, num_seqs=1, heads=16, heads_per_wave=-1,
+                        bytes_per_head=1, reverse=True)
+
+
+@pytest.mark.parametrize("mode", ["atomic", "recompute"])
+def test_launch_order_keeps_the_bits(mode):
+  """The launch order only reorders programs: forward, LSE and gradients
+  are bitwise equal for waves of 1, 2 and all 4 heads (GQA, causal,
+  packed sequences of different lengths)."""
+  from pallas_kernels.flash._tiles import MaskConfig
+  from pallas_kernels.flash.backward import flash_backward
+  from pallas_kernels.flash.config import BlockSizes
+  from pallas_kernels.flash.forward import flash_forward
+  rng = np.random.default_rng(5)
+  total, hq, hkv, d = 61, 4, 2, 32
+  q, do = (_rand(rng, (total, hq, d), jnp.bfloat16) for _ in range(2))
+  k, v = (_rand(rng, (total, hkv, d), jnp.bfloat16) for _ in range(2))
+  cu = jnp.array([0, 23, 61], jnp.int32)
+  cfg = MaskConfig.make(causal=True, window_size=(-1, -1), has_segments=False,
+                        softcap=0.0, scale=d ** -0.5)
+  results = []
+  for wave in (1, 2, 4):
+    bs = BlockSizes(16, 16, 4, 1, heads_per_wave=wave,
+                    dq=BlockSizes(16, 16, 4, 1, heads_per_wave=wave))
+    out, lse2 = flash_forward(q, k, v, cu, cu, cfg=cfg, blocks=bs,
+                              max_seqlen_q=38, interpret=True)
+    grads = flash_backward(q, k, v, out, lse2, do, cu, cu, cfg=cfg,
+                           blocks=bs, max_seqlen_q=38, max_seqlen_k=38,
+                           interpret=True, dq_mode=mode)[:3]
+    results.append([out, lse2, *grads])
+  names = ("out", "lse", "dq", "dk", "dv")
+  for wave, got in zip((2, 4), results[1:]):
+    _assert_same_bits(f"wave {wave} vs 1", got, results[0], names)

@@ -193,7 +193,7 @@ def _pallas_fwd(cfg: AttnConfig, q, k, v, sinks, q_seg, k_seg, cu_q, cu_k):
   fwd_b, bwd_b, red = _dense._kernel_plan(q.shape[-1], q.dtype, interpret)
   (out, lse), res = _dense._flash_fwd(qf, kf, vf, sinks, cq, ck, qsf, ksf,
                                       mcfg, fwd_b, bwd_b, mq, mk, interpret,
-                                      red)
+                                      red, not cfg.varlen)
   lse2 = res[-1]  # [hq, total_q], base 2, +inf where nothing was seen
   if cfg.varlen:
     in_seq = _in_seq(cq, q.shape[0])
@@ -232,7 +232,8 @@ def _pallas_bwd(cfg: AttnConfig, q, k, v, sinks, q_seg, k_seg, cu_q, cu_k,
     dlse_f = jnp.where(in_seq[None, :], dlse_f, 0.0)
   res = (qf, kf, vf, sinks, cq, ck, qsf, ksf, out_f, aux)
   dq, dk, dv, dsinks = _dense._flash_bwd(mcfg, fwd_b, bwd_b, mq, mk, interpret,
-                                         red, res, (do_f, dlse_f))[:4]
+                                         red, not cfg.varlen, res,
+                                         (do_f, dlse_f))[:4]
   return (dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape),
           dsinks)
 

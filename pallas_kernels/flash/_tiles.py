@@ -192,3 +192,82 @@ def scores_log2(cfg: MaskConfig, qk: jax.Array) -> jax.Array:
   if cfg.softcap > 0.0:
     return (cfg.softcap * LOG2E) * jnp.tanh(qk * (cfg.scale / cfg.softcap))
   return qk * (cfg.scale * LOG2E)
+
+
+# L2 bytes one wave of heads may stream (K and V for the forward and dQ
+# kernels, Q and dO for dK/dV): Hopper's L2 is 50 MB; the rest holds the
+# tiles streamed once (Q, O, dQ) and the other wave still finishing.
+WAVE_L2_BYTES = 16 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchOrder:
+  """Which (tile, sequence, head) each program of a 3-D launch grid runs.
+
+  Under a causal mask a tile's cost grows along the sequence (the forward's
+  and dQ's last query tile sees every key; dK/dV's first key tile is seen
+  by every query). The GPU starts programs in launch order, x fastest. With
+  the tile index fastest (one head after another), the last heads' longest
+  tiles start last and the grid ends in a tail of a few long programs.
+  Longest-first across every head would stream all heads' K/V (or Q/dO) at
+  once, more than L2 holds. So heads go in waves of `heads_per_wave`: within
+  a wave, the costliest tile of every head starts first; a wave's working
+  set fits L2; consecutive heads share a KV head under GQA.
+
+  Launch grid (heads_per_wave, n_tiles, num_seqs * heads / heads_per_wave):
+  program (a, b, c) runs tile b (or n_tiles - 1 - b when `reverse`) of head
+  (c mod waves) * heads_per_wave + a of sequence c // waves. heads_per_wave
+  = 1 is the plain (tile, sequence, head) order. Only the order changes,
+  never what a program computes: the bits are the same for any wave size.
+  """
+
+  n_tiles: int
+  num_seqs: int
+  heads: int
+  heads_per_wave: int
+  reverse: bool  # tile n_tiles - 1 is the costliest (forward, dQ)
+
+  @property
+  def grid(self) -> tuple[int, int, int]:
+    return (self.heads_per_wave, self.n_tiles,
+            self.num_seqs * (self.heads // self.heads_per_wave))
+
+  def tile_seq_head(self, a, b, c):
+    """(tile, sequence, head) of program (a, b, c); also in index maps."""
+    waves = self.heads // self.heads_per_wave
+    tile = self.n_tiles - 1 - b if self.reverse else b
+    if waves == 1:
+      return tile, c, a
+    return tile, c // waves, (c % waves) * self.heads_per_wave + a
+
+  def program(self):
+    """(tile, sequence, head) of the running program (inside a kernel)."""
+    return self.tile_seq_head(pl.program_id(0), pl.program_id(1),
+                              pl.program_id(2))
+
+
+def launch_order(*, n_tiles: int, num_seqs: int, heads: int,
+                 heads_per_wave: int, bytes_per_head: int, reverse: bool,
+                 heads_sharing: int = 1) -> LaunchOrder:
+  """The launch order of a kernel over `heads` heads.
+
+  heads_per_wave: from BlockSizes. A positive value caps the wave: it takes
+    the largest divisor of `heads` up to that value. 0 takes the largest
+    divisor whose wave streams at most WAVE_L2_BYTES, with `bytes_per_head`
+    the bytes one head streams and `heads_sharing` consecutive heads
+    streaming the same bytes (a GQA group over K/V).
+  """
+  if heads_per_wave < 0:
+    raise ValueError("heads_per_wave must be >= 0 (0: sized to L2); got "
+                     f"{heads_per_wave}.")
+  wave = 1
+  for g in range(2, heads + 1):
+    if heads % g:
+      continue
+    if heads_per_wave:
+      fits = g <= heads_per_wave
+    else:
+      fits = -(-g // heads_sharing) * bytes_per_head <= WAVE_L2_BYTES
+    if fits:
+      wave = g
+  return LaunchOrder(n_tiles, num_seqs, heads, wave, reverse)

@@ -66,7 +66,7 @@ token_sequence_ids = _preprocess.token_sequence_ids
 def _backward_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
                      delta_ref, *refs, cfg: MaskConfig,
                      block_q: int, block_k: int, head_dim: int, group: int,
-                     dq_mode: str):
+                     dq_mode: str, order: _tiles.LaunchOrder):
   refs = list(refs)
   inv_grid_ref = refs.pop(0) if dq_mode == "atomic" else None
   q_seg_ref = k_seg_ref = None
@@ -77,7 +77,9 @@ def _backward_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
   else:
     dk_ref, dv_ref = refs
 
-  k_blk, seq = pl.program_id(0), pl.program_id(1)
+  # First key tiles first (not order.reverse): under a causal mask every
+  # query sees them, so the longest programs start first.
+  k_blk, seq, _ = order.program()
   q_off = cu_q_ref[seq]
   len_q = cu_q_ref[seq + 1] - q_off
   k_off = cu_k_ref[seq]
@@ -181,7 +183,7 @@ def _backward_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
 
 def _dq_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
                delta_ref, *refs, cfg: MaskConfig, block_q: int, block_k: int,
-               head_dim: int):
+               head_dim: int, order: _tiles.LaunchOrder):
   """dQ without atomics: a program owns a query tile and recomputes P and dS
   for every key tile it sees (two more products than the atomic path)."""
   refs = list(refs)
@@ -189,10 +191,9 @@ def _dq_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
   if cfg.has_segments:
     q_seg_ref, k_seg_ref = refs.pop(0), refs.pop(0)
   (dq_ref,) = refs
-  seq = pl.program_id(1)
-  # Last query tiles first: under a causal mask they see the most keys, so
-  # the longest programs start first and the grid ends without a tail.
-  q_blk = pl.num_programs(0) - 1 - pl.program_id(0)
+  # Last query tiles first (order.reverse): under a causal mask they see
+  # the most keys, so the longest programs start first.
+  q_blk, seq, _ = order.program()
   q_off = cu_q_ref[seq]
   len_q = cu_q_ref[seq + 1] - q_off
   k_off = cu_k_ref[seq]
@@ -269,13 +270,15 @@ def _dq_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
 
 @functools.partial(
     jax.jit, static_argnames=("cfg", "blocks", "max_seqlen_q", "max_seqlen_k",
-                              "interpret", "dq_mode", "dq_blocks"))
+                              "interpret", "dq_mode", "dq_blocks",
+                              "all_tokens_in_sequences"))
 def flash_backward(q, k, v, out, lse2, do, cu_seqlens_q, cu_seqlens_k,
                    q_segment_ids=None, kv_segment_ids=None, sinks=None,
                    dlse=None, *, cfg: MaskConfig, blocks: BlockSizes,
                    max_seqlen_q: int, max_seqlen_k: int,
                    interpret: bool = False, dq_mode: str = "atomic",
-                   dq_blocks: BlockSizes | None = None):
+                   dq_blocks: BlockSizes | None = None,
+                   all_tokens_in_sequences: bool = False):
   """Gradients of `flash_forward`.
 
   Args:
@@ -290,6 +293,10 @@ def flash_backward(q, k, v, out, lse2, do, cu_seqlens_q, cu_seqlens_k,
     dq_blocks: blocks of the recompute-mode dQ kernel (default
       `blocks.dq_blocks`: `blocks.dq` if set, else `blocks`). Like `blocks`,
       chosen per GPU generation, head dim, dtype and mode only.
+    all_tokens_in_sequences: the caller promises cu_seqlens_q[-1] ==
+      total_q and cu_seqlens_k[-1] == total_k (a padded batch). Then no
+      token lies outside every sequence, and the passes that zero such
+      tokens' gradients (a read and write of dq, dk and dv) are skipped.
 
   Returns:
     dq, dk, dv in the inputs' layouts and dtypes, and dsinks (float32
@@ -308,7 +315,8 @@ def flash_backward(q, k, v, out, lse2, do, cu_seqlens_q, cu_seqlens_k,
   # Row-level masks keep tokens outside every sequence (a packed tail whose
   # out/lse were never written) from leaking garbage into dsinks or dq.
   q_in_seq = (token_sequence_ids(cu_seqlens_q, total_q) < num_seqs)[None, :]
-  lse2 = jnp.where(q_in_seq, lse2, jnp.inf)
+  if not all_tokens_in_sequences:
+    lse2 = jnp.where(q_in_seq, lse2, jnp.inf)
   # D = rowsum(dO * O) - dlse (0 outside every sequence) and, for the atomic
   # dQ, each row's grid exponent: fixed-tile Pallas reductions, so a row's
   # bits never depend on the batch or packing around it.
@@ -333,12 +341,22 @@ def flash_backward(q, k, v, out, lse2, do, cu_seqlens_q, cu_seqlens_k,
   # the integer atomics need no mask (interpret mode cannot mask atomics).
   dq_rows = total_q + block_q
   dq_acc = jnp.zeros((dq_rows, heads_kv, group, d_pad), jnp.int32)
+  # Q and dO of a KV head's group stream through each of its key tiles: the
+  # wave of KV heads is sized so that they stay in L2.
+  order = _tiles.launch_order(
+      n_tiles=pl.cdiv(max_seqlen_k, block_k), num_seqs=num_seqs,
+      heads=heads_kv, heads_per_wave=blocks.heads_per_wave,
+      bytes_per_head=2 * group * pl.cdiv(total_q, num_seqs) * d_pad
+      * q.dtype.itemsize, reverse=False)
+  kv_head = lambda *ids: order.tile_seq_head(*ids)[2]
   q_spec = pl.BlockSpec((total_q, None, group, d_pad),
-                        lambda i, s, h: (0, h, 0, 0))
-  kv_spec = pl.BlockSpec((total_k, None, d_pad), lambda i, s, h: (0, h, 0))
-  row_spec = pl.BlockSpec((None, group, total_q), lambda i, s, h: (h, 0, 0))
+                        lambda *ids: (0, kv_head(*ids), 0, 0))
+  kv_spec = pl.BlockSpec((total_k, None, d_pad),
+                         lambda *ids: (0, kv_head(*ids), 0))
+  row_spec = pl.BlockSpec((None, group, total_q),
+                          lambda *ids: (kv_head(*ids), 0, 0))
   dq_spec = pl.BlockSpec((dq_rows, None, group, d_pad),
-                         lambda i, s, h: (0, h, 0, 0))
+                         lambda *ids: (0, kv_head(*ids), 0, 0))
   in_specs = [full(cu_seqlens_q.shape), full(cu_seqlens_k.shape), q_spec,
               kv_spec, kv_spec, q_spec, row_spec, row_spec]
   args = [cu_seqlens_q, cu_seqlens_k, grouped(q), k, v, grouped(do),
@@ -364,12 +382,12 @@ def flash_backward(q, k, v, out, lse2, do, cu_seqlens_q, cu_seqlens_k,
     aliases = {len(args) - 1: 0}
   kernel = functools.partial(
       _backward_kernel, cfg=cfg, block_q=block_q, block_k=block_k,
-      head_dim=head_dim, group=group, dq_mode=dq_mode)
+      head_dim=head_dim, group=group, dq_mode=dq_mode, order=order)
   params = _pip_triton.compiler_params(blocks.compiler, blocks.num_warps,
                                        blocks.num_stages)
   outs = pl.pallas_call(
       kernel,
-      grid=(pl.cdiv(max_seqlen_k, block_k), num_seqs, heads_kv),
+      grid=order.grid,
       in_specs=in_specs,
       out_specs=out_specs,
       out_shape=out_shape,
@@ -387,14 +405,23 @@ def flash_backward(q, k, v, out, lse2, do, cu_seqlens_q, cu_seqlens_k,
   else:
     dk, dv = outs
     dqb = dq_blocks if dq_blocks is not None else blocks.dq_blocks
-    head_spec = pl.BlockSpec((total_q, None, d_pad), lambda i, s, h: (0, h, 0))
+    # K and V stream through every query tile, as in the forward.
+    dq_order = _tiles.launch_order(
+        n_tiles=pl.cdiv(max_seqlen_q, dqb.block_q), num_seqs=num_seqs,
+        heads=heads_q, heads_per_wave=dqb.heads_per_wave,
+        bytes_per_head=2 * pl.cdiv(total_k, num_seqs) * d_pad
+        * k.dtype.itemsize, heads_sharing=group, reverse=True)
+    q_head = lambda *ids: dq_order.tile_seq_head(*ids)[2]
+    head_spec = pl.BlockSpec((total_q, None, d_pad),
+                             lambda *ids: (0, q_head(*ids), 0))
     kvh_spec = pl.BlockSpec((total_k, None, d_pad),
-                            lambda i, s, h: (0, h // group, 0))
-    rows_spec = pl.BlockSpec((None, total_q), lambda i, s, h: (h, 0))
+                            lambda *ids: (0, q_head(*ids) // group, 0))
+    rows_spec = pl.BlockSpec((None, total_q), lambda *ids: (q_head(*ids), 0))
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, cfg=cfg, block_q=dqb.block_q,
-                          block_k=dqb.block_k, head_dim=head_dim),
-        grid=(pl.cdiv(max_seqlen_q, dqb.block_q), num_seqs, heads_q),
+                          block_k=dqb.block_k, head_dim=head_dim,
+                          order=dq_order),
+        grid=dq_order.grid,
         in_specs=[full(cu_seqlens_q.shape), full(cu_seqlens_k.shape),
                   head_spec, kvh_spec, kvh_spec, head_spec, rows_spec,
                   rows_spec, *seg_specs],
@@ -406,12 +433,14 @@ def flash_backward(q, k, v, out, lse2, do, cu_seqlens_q, cu_seqlens_k,
         name="fold_flash_backward_dq",
     )(cu_seqlens_q, cu_seqlens_k, q, k, v, do, lse2, delta, *seg_args)
     # Tokens outside every sequence are never written by the dQ kernel.
-    dq = jnp.where(q_in_seq[0][:, None, None], dq, 0).astype(q.dtype)
+    if not all_tokens_in_sequences:
+      dq = jnp.where(q_in_seq[0][:, None, None], dq, 0).astype(q.dtype)
   # Nor are keys outside every sequence written by the dK/dV kernel.
-  k_in_seq = (token_sequence_ids(cu_seqlens_k, total_k) < num_seqs)[:, None,
-                                                                    None]
-  dk = jnp.where(k_in_seq, dk, 0).astype(k.dtype)
-  dv = jnp.where(k_in_seq, dv, 0).astype(v.dtype)
+  if not all_tokens_in_sequences:
+    k_in_seq = (token_sequence_ids(cu_seqlens_k, total_k) <
+                num_seqs)[:, None, None]
+    dk = jnp.where(k_in_seq, dk, 0).astype(k.dtype)
+    dv = jnp.where(k_in_seq, dv, 0).astype(v.dtype)
 
   dsinks = None
   if sinks is not None:

@@ -42,6 +42,9 @@ class BlockSizes:
     (pip Triton, `pallas_kernels._pip_triton`). A field, not a global: the
     blocks are static arguments of the jitted and custom_vjp functions, so
     the compiler is part of every trace's cache key.
+  heads_per_wave: the most heads of the launch order's wave
+    (`pallas_kernels.flash._tiles.LaunchOrder`); 0 (the default) sizes it
+    to L2 from the shapes. The order never changes the bits.
   """
 
   block_q: int
@@ -50,6 +53,7 @@ class BlockSizes:
   num_stages: int
   dq: "BlockSizes | None" = None
   compiler: str = "xla"
+  heads_per_wave: int = 0
 
   def __post_init__(self):
     for name in ("block_q", "block_k"):
@@ -58,6 +62,9 @@ class BlockSizes:
         raise ValueError(f"{name} must be a power of two >= 16; got {b}.")
     if isinstance(self.dq, dict):  # from a JSON override table
       object.__setattr__(self, "dq", BlockSizes(**self.dq))
+    if self.heads_per_wave < 0:
+      raise ValueError("heads_per_wave must be >= 0 (0: sized to L2); got "
+                       f"{self.heads_per_wave}.")
     if self.compiler not in ("xla", "triton"):
       raise ValueError("compiler must be 'xla' or 'triton'; got "
                        f"{self.compiler!r}.")
@@ -74,6 +81,8 @@ class BlockSizes:
       out["dq"] = self.dq.to_dict()
     if self.compiler != "xla":
       out["compiler"] = self.compiler
+    if self.heads_per_wave:
+      out["heads_per_wave"] = self.heads_per_wave
     return out
 
 

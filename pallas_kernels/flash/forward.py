@@ -63,7 +63,7 @@ def _folded_scale(cfg: MaskConfig):
 
 def _forward_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, *refs,
                     cfg: MaskConfig, block_q: int, block_k: int, head_dim: int,
-                    has_sinks: bool):
+                    has_sinks: bool, order: _tiles.LaunchOrder):
   refs = list(refs)
   q_seg_ref = k_seg_ref = sinks_ref = None
   if cfg.has_segments:
@@ -72,10 +72,9 @@ def _forward_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, *refs,
     sinks_ref = refs.pop(0)
   o_ref, lse_ref = refs
 
-  seq, head = pl.program_id(1), pl.program_id(2)
-  # Last query tiles first: under a causal mask they see the most keys, so
-  # the longest programs start first and the grid ends without a tail.
-  q_blk = pl.num_programs(0) - 1 - pl.program_id(0)
+  # Last query tiles first (order.reverse): under a causal mask they see the
+  # most keys, so the longest programs start first.
+  q_blk, seq, head = order.program()
   q_off = cu_q_ref[seq]
   len_q = cu_q_ref[seq + 1] - q_off
   k_off = cu_k_ref[seq]
@@ -192,16 +191,25 @@ def flash_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, q_segment_ids=None,
   d_pad = head_dim_bucket(head_dim)
   block_q, block_k = blocks.block_q, blocks.block_k
 
+  # K and V stream through every query tile of a KV head: the wave of
+  # heads is sized so that its K/V (at the mean sequence length) stay in L2.
+  order = _tiles.launch_order(
+      n_tiles=pl.cdiv(max_seqlen_q, block_q), num_seqs=num_seqs,
+      heads=heads_q, heads_per_wave=blocks.heads_per_wave,
+      bytes_per_head=2 * pl.cdiv(total_k, num_seqs) * d_pad
+      * k.dtype.itemsize,
+      heads_sharing=group, reverse=True)
+  head_of = lambda *ids: order.tile_seq_head(*ids)[2]
+
   def full(shape):
     return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
 
-  in_specs = [
-      full(cu_seqlens_q.shape),
-      full(cu_seqlens_k.shape),
-      pl.BlockSpec((total_q, None, d_pad), lambda i, s, h: (0, h, 0)),
-      pl.BlockSpec((total_k, None, d_pad), lambda i, s, h: (0, h // group, 0)),
-      pl.BlockSpec((total_k, None, d_pad), lambda i, s, h: (0, h // group, 0)),
-  ]
+  q_spec = pl.BlockSpec((total_q, None, d_pad),
+                        lambda *ids: (0, head_of(*ids), 0))
+  kv_spec = pl.BlockSpec((total_k, None, d_pad),
+                         lambda *ids: (0, head_of(*ids) // group, 0))
+  in_specs = [full(cu_seqlens_q.shape), full(cu_seqlens_k.shape), q_spec,
+              kv_spec, kv_spec]
   args = [cu_seqlens_q, cu_seqlens_k, q, k, v]
   if cfg.has_segments:
     in_specs += [full(q_segment_ids.shape), full(kv_segment_ids.shape)]
@@ -211,14 +219,14 @@ def flash_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, q_segment_ids=None,
     args.append(sinks.astype(jnp.float32))
   kernel = functools.partial(
       _forward_kernel, cfg=cfg, block_q=block_q, block_k=block_k,
-      head_dim=head_dim, has_sinks=sinks is not None)
+      head_dim=head_dim, has_sinks=sinks is not None, order=order)
   out, lse2 = pl.pallas_call(
       kernel,
-      grid=(pl.cdiv(max_seqlen_q, block_q), num_seqs, heads_q),
+      grid=order.grid,
       in_specs=in_specs,
       out_specs=[
-          pl.BlockSpec((total_q, None, d_pad), lambda i, s, h: (0, h, 0)),
-          pl.BlockSpec((None, total_q), lambda i, s, h: (h, 0)),
+          q_spec,
+          pl.BlockSpec((None, total_q), lambda *ids: (head_of(*ids), 0)),
       ],
       out_shape=[
           jax.ShapeDtypeStruct(q.shape, q.dtype),
