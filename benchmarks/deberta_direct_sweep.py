@@ -38,6 +38,9 @@ def main(argv=None):
   p.add_argument("--xla", action="store_true",
                  help="also time the XLA-compiled JAX path per candidate")
   p.add_argument("--target-s", type=float, default=0.4)
+  p.add_argument("--without-mask", action="store_true",
+                 help="also time each point with no token mask (what the "
+                      "mask costs; only meaningful where it is all ones)")
   a = p.parse_args(argv)
 
   import jax
@@ -89,26 +92,32 @@ def main(argv=None):
     os.environ["FOLDAX_DEBERTA_BLOCKS"] = path
     tag = (f"{'table ' if kern == 'table' else ''}{bs.block_q}x{bs.block_k}"
            f"/w{bs.num_warps}s{bs.num_stages}")
-    for name, (t, m, b, l) in inputs.items():
-      r = dict(blocks=tag, point=name)
+    runs = [(name, True) for name in inputs]
+    if a.without_mask:
+      runs += [(name, False) for name in inputs]
+    for name, with_mask in runs:
+      t, m, b, l = inputs[name]
+      r = dict(blocks=tag, point=name if with_mask else name + "/no-mask")
       try:
-        shape = _direct._DebertaShape(b, l, heads, d, torch.float16, True,
-                                      rows)
+        shape = _direct._DebertaShape(b, l, heads, d, torch.float16,
+                                      with_mask, rows)
         t0 = time.perf_counter()
         plan = _direct.DebertaPlan(cfg, shape, cc)
         q, k, v, pk, pq = t
+        if not with_mask:
+          m = None
         out = plan.forward(q, k, v, pk, pq, m)
         torch.cuda.synchronize()
         r["build_s"] = round(time.perf_counter() - t0, 2)
-        valid = m.bool()
+        valid = inputs[name][1].bool()
         o = out.float()[valid]
         r["finite"] = bool(torch.isfinite(o).all())
-        if name not in base:
-          base[name] = o
-        r["max_abs_diff_vs_first"] = float((o - base[name]).abs().max())
+        if r["point"] not in base:
+          base[r["point"]] = o
+        r["max_abs_diff_vs_first"] = float((o - base[r["point"]]).abs().max())
         r["direct"] = T.time_torch(lambda: plan.forward(q, k, v, pk, pq, m),
                                    [()], target_s=a.target_s, n_batches=9)
-        if a.xla:
+        if a.xla and with_mask:
           import jax.dlpack  # noqa: F401
           import jax.numpy as jnp
           js = [jnp.asarray(x.cpu().numpy()) for x in t]
@@ -131,7 +140,7 @@ def main(argv=None):
       dump()
   os.environ.pop("FOLDAX_DEBERTA_BLOCKS", None)
   ok = [r for r in records[1:] if "direct" in r]
-  for name in inputs:
+  for name in dict.fromkeys(r["point"] for r in ok):
     print(f"-- {name}")
     for r in sorted((r for r in ok if r["point"] == name),
                     key=lambda r: r["direct"]["ms"]):

@@ -150,9 +150,10 @@ def test_ragged_padded_matches_reference_and_is_repeatable():
 @pytest.mark.parametrize("split", [False, True])
 def test_used_lengths_skip_padding_with_the_same_bits(split):
   """The padded API's forward passes each right-padded row's valid length
-  (`seq_lens`): the kernel skips the padding tiles and writes those rows as
-  0 / +inf. Same bits as the token mask alone; rows that are not
-  right-padded (left padding, a hole) keep their whole slot."""
+  (`seq_lens`): the kernel skips the padding tiles, writes those rows as
+  0 / +inf and does not read their token mask. Same bits as the token mask
+  alone; rows that are not right-padded (left padding, a hole) keep their
+  whole slot and their mask (MASKED_ROW)."""
   from jax_api.deberta.attention import _used_lengths
   from pallas_kernels.deberta.config import KernelConfig, blocks_for
   from pallas_kernels.deberta.forward import disentangled_forward
@@ -164,7 +165,7 @@ def test_used_lengths_skip_padding_with_the_same_bits(split):
   tm = jnp.asarray(mask.reshape(-1))
   cu = jnp.arange(b + 1, dtype=jnp.int32) * s
   lens = _used_lengths(tm, cu, s)
-  np.testing.assert_array_equal(np.asarray(lens), [45, 29, 0, 45, 45])
+  np.testing.assert_array_equal(np.asarray(lens), [45, 29, 0, -1, -1])
   g = geometry(BUCKETS, MAX_REL)
   cfg = KernelConfig(g, True, True, True, 0.0, d, split)
   blocks = blocks_for(head_dim=d, dtype=q.dtype, interpret=True)

@@ -884,7 +884,8 @@ def test_direct_launch_captures_deberta_kernels(fake_h200, monkeypatch, c2p, p2c
 
 def test_deberta_used_lengths_match_the_jax_side():
   """The direct launch computes the kernel's used lengths in torch: the
-  same as the JAX path's (right-padded rows: their length; others: s)."""
+  same as the JAX path's (right-padded rows: their length; others:
+  MASKED_ROW, -1)."""
   import jax.numpy as jnp
   from jax_api.deberta.attention import _used_lengths
   from torch_bridge import _direct
@@ -897,7 +898,7 @@ def test_deberta_used_lengths_match_the_jax_side():
   got = _direct._used_lengths(mask != 0, s)
   cu = jnp.arange(6, dtype=jnp.int32) * s
   want = _used_lengths(jnp.asarray(mask.numpy().reshape(-1)), cu, s)
-  assert got.tolist() == [12, 7, 12, 0, 12] == [int(x) for x in want]
+  assert got.tolist() == [12, 7, -1, 0, -1] == [int(x) for x in want]
 
 
 @pytest.mark.gpu

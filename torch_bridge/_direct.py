@@ -418,12 +418,14 @@ class DensePlan(_Kernels):
 
 def _used_lengths(valid: torch.Tensor, s: int) -> torch.Tensor:
   """`jax_api.deberta.attention._used_lengths` in torch: int32 [b], a
-  right-padded row's valid length, else s (on the device, no sync)."""
+  right-padded (or unpadded) row's valid length, else MASKED_ROW (on the
+  device, no sync)."""
+  from pallas_kernels.deberta.forward import MASKED_ROW
   n = valid.sum(dim=1, dtype=torch.int32)
   prefix = torch.arange(s, device=valid.device, dtype=torch.int32)[None, :] < \
       n[:, None]
   return torch.where((valid == prefix).all(dim=1), n,
-                     torch.full_like(n, s)).contiguous()
+                     torch.full_like(n, MASKED_ROW)).contiguous()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,7 +23,7 @@ from pallas_kernels.deberta._geometry import geometry
 from pallas_kernels.deberta.backward import disentangled_backward
 from pallas_kernels.deberta.config import (DebertaBlocks, KernelConfig,
                                            blocks_for, gather_orientation)
-from pallas_kernels.deberta.forward import (disentangled_forward,
+from pallas_kernels.deberta.forward import (MASKED_ROW, disentangled_forward,
                                             position_table)
 from jax_api.deberta._xla import xla_disentangled
 
@@ -53,16 +53,16 @@ def _kernel_attention(q, k, v, pos_key, pos_query, cu, token_mask, seed,
 
 
 def _used_lengths(token_mask, cu, max_seqlen: int):
-  """int32 [num_seqs]: a right-padded row's valid length, else its whole
-  slot (computed on the device: no host sync). The forward then skips a
-  right-padded row's padding tiles with the same bits (see
-  `pallas_kernels.deberta.forward`); the backward keeps the token mask over
-  the whole slot."""
+  """int32 [num_seqs]: a right-padded (or unpadded) row's valid length,
+  else MASKED_ROW (computed on the device: no host sync). The forward then
+  skips a right-padded row's padding tiles and does not read its mask,
+  with the same bits (see `pallas_kernels.deberta.forward`); the backward
+  keeps the token mask over the whole slot."""
   b = cu.shape[0] - 1
   m = token_mask.reshape(b, max_seqlen) != 0
   n = jnp.sum(m, axis=1, dtype=jnp.int32)
   prefix = jnp.arange(max_seqlen, dtype=jnp.int32)[None, :] < n[:, None]
-  return jnp.where(jnp.all(m == prefix, axis=1), n, max_seqlen)
+  return jnp.where(jnp.all(m == prefix, axis=1), n, MASKED_ROW)
 
 
 def _fwd(q, k, v, pos_key, pos_query, cu, token_mask, seed, cfg, blocks,
