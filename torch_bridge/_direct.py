@@ -257,6 +257,7 @@ class DensePlan(_Kernels):
     super().__init__(compile_kernels)
     self.shape, self.cc, self.cfg = shape, cc, _cfg(*static)
     self._cu_cache = {}
+    self._zero_cache = {}
     self._bwd_lock = threading.Lock()
     self._bwd_failed = False
     self._build(self._FWD)
@@ -343,6 +344,17 @@ class DensePlan(_Kernels):
                                      (r * s.sk).to(device))
     return cu
 
+  def _zero_rows(self, device):
+    """float32 zeros [hq, total_q], the dLSE of a call whose LSE got no
+    gradient (made once per device, like `_cu`, by a blocking
+    host-to-device copy; kernels only read it)."""
+    z = self._zero_cache.get(device)
+    if z is None:
+      s = self.shape
+      z = self._zero_cache[device] = torch.zeros(
+          (s.hq, s.b * s.sq), dtype=torch.float32).to(device)
+    return z
+
   @staticmethod
   def _segs(q_seg, k_seg):
     """Segment ids flattened to the packed token order (int32 [b * s])."""
@@ -385,13 +397,14 @@ class DensePlan(_Kernels):
       out, aux = out.contiguous(), aux.contiguous()
       dout = dout.to(q.dtype).contiguous()
       if dlse is None:
-        dlse_rows = torch.zeros((s.hq, total_q), device=dev,
-                                dtype=torch.float32)
+        dlse_rows = self._zero_rows(dev)
       else:
         dlse_rows = dlse.float().transpose(0, 1).reshape(s.hq, total_q)
         dlse_rows = torch.where(torch.isfinite(dlse_rows), dlse_rows, 0.0)
         dlse_rows = dlse_rows.contiguous()
-      delta = torch.zeros((s.hq, total_q), device=dev, dtype=torch.float32)
+      # Every row of a dense batch lies in a sequence: the preprocess
+      # kernel writes all of delta (no zero fill needed).
+      delta = torch.empty((s.hq, total_q), device=dev, dtype=torch.float32)
       stream = _raw_stream(dev)
       self._launch("fold_flash_backward_preprocess", cu_q, out, dout,
                    dlse_rows, delta, delta, stream=stream)
