@@ -15,7 +15,9 @@ Outputs:
   lse2: float32 [heads_q, total_q], log-sum-exp in base 2; +inf for a row that
     sees no key and has no sink (so the backward's exp2(s - lse2) is 0 there).
 
-Grid: (query tiles of the longest sequence, num_seqs, heads_q). Each program
+Programs: one per (query tile of the longest sequence, sequence, query
+head), launched in `_tiles.LaunchOrder` (waves of heads, costliest tiles
+first). Each program
 owns one query tile of one head and walks the key tiles its rows can see:
 first the unmasked band interior, then the masked edges; tiles no row can
 see are never visited.
