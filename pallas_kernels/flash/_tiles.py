@@ -240,6 +240,10 @@ class LaunchOrder:
       return tile, c, a
     return tile, c // waves, (c % waves) * self.heads_per_wave + a
 
+  def head(self, a, b, c):
+    """Head of program (a, b, c), for BlockSpec index maps."""
+    return self.tile_seq_head(a, b, c)[2]
+
   def program(self):
     """(tile, sequence, head) of the running program (inside a kernel)."""
     return self.tile_seq_head(pl.program_id(0), pl.program_id(1),
@@ -257,9 +261,7 @@ def launch_order(*, n_tiles: int, num_seqs: int, heads: int,
     the bytes one head streams and `heads_sharing` consecutive heads
     streaming the same bytes (a GQA group over K/V).
   """
-  if heads_per_wave < 0:
-    raise ValueError("heads_per_wave must be >= 0 (0: sized to L2); got "
-                     f"{heads_per_wave}.")
+  check_heads_per_wave(heads_per_wave)
   wave = 1
   for g in range(2, heads + 1):
     if heads % g:
@@ -271,3 +273,25 @@ def launch_order(*, n_tiles: int, num_seqs: int, heads: int,
     if fits:
       wave = g
   return LaunchOrder(n_tiles, num_seqs, heads, wave, reverse)
+
+
+def check_heads_per_wave(heads_per_wave: int) -> None:
+  if heads_per_wave < 0:
+    raise ValueError("heads_per_wave must be >= 0 (0: sized to L2); got "
+                     f"{heads_per_wave}.")
+
+
+def query_tile_order(k, d_pad: int, *, n_tiles: int, num_seqs: int,
+                     heads_q: int, heads_per_wave: int) -> LaunchOrder:
+  """Launch order of a kernel owning query tiles (the forward, dQ): K and V
+  ([total_k, heads_kv, d]) of a KV head stream through each of its query
+  tiles, the costliest (last) tile first; the wave is sized by K/V at the
+  mean sequence length."""
+  total_k, heads_kv = k.shape[:2]
+  return launch_order(
+      n_tiles=n_tiles, num_seqs=num_seqs, heads=heads_q,
+      heads_per_wave=heads_per_wave,
+      bytes_per_head=2 * pl.cdiv(total_k, num_seqs) * d_pad
+      * k.dtype.itemsize,
+      heads_sharing=heads_q // heads_kv, reverse=True)
+

@@ -348,7 +348,7 @@ def flash_backward(q, k, v, out, lse2, do, cu_seqlens_q, cu_seqlens_k,
       heads=heads_kv, heads_per_wave=blocks.heads_per_wave,
       bytes_per_head=2 * group * pl.cdiv(total_q, num_seqs) * d_pad
       * q.dtype.itemsize, reverse=False)
-  kv_head = lambda *ids: order.tile_seq_head(*ids)[2]
+  kv_head = order.head
   q_spec = pl.BlockSpec((total_q, None, group, d_pad),
                         lambda *ids: (0, kv_head(*ids), 0, 0))
   kv_spec = pl.BlockSpec((total_k, None, d_pad),
@@ -406,12 +406,11 @@ def flash_backward(q, k, v, out, lse2, do, cu_seqlens_q, cu_seqlens_k,
     dk, dv = outs
     dqb = dq_blocks if dq_blocks is not None else blocks.dq_blocks
     # K and V stream through every query tile, as in the forward.
-    dq_order = _tiles.launch_order(
-        n_tiles=pl.cdiv(max_seqlen_q, dqb.block_q), num_seqs=num_seqs,
-        heads=heads_q, heads_per_wave=dqb.heads_per_wave,
-        bytes_per_head=2 * pl.cdiv(total_k, num_seqs) * d_pad
-        * k.dtype.itemsize, heads_sharing=group, reverse=True)
-    q_head = lambda *ids: dq_order.tile_seq_head(*ids)[2]
+    dq_order = _tiles.query_tile_order(
+        k, d_pad, n_tiles=pl.cdiv(max_seqlen_q, dqb.block_q),
+        num_seqs=num_seqs, heads_q=heads_q,
+        heads_per_wave=dqb.heads_per_wave)
+    q_head = dq_order.head
     head_spec = pl.BlockSpec((total_q, None, d_pad),
                              lambda *ids: (0, q_head(*ids), 0))
     kvh_spec = pl.BlockSpec((total_k, None, d_pad),

@@ -62,9 +62,8 @@ class BlockSizes:
         raise ValueError(f"{name} must be a power of two >= 16; got {b}.")
     if isinstance(self.dq, dict):  # from a JSON override table
       object.__setattr__(self, "dq", BlockSizes(**self.dq))
-    if self.heads_per_wave < 0:
-      raise ValueError("heads_per_wave must be >= 0 (0: sized to L2); got "
-                       f"{self.heads_per_wave}.")
+    from pallas_kernels.flash._tiles import check_heads_per_wave
+    check_heads_per_wave(self.heads_per_wave)
     if self.compiler not in ("xla", "triton"):
       raise ValueError("compiler must be 'xla' or 'triton'; got "
                        f"{self.compiler!r}.")

@@ -193,15 +193,10 @@ def flash_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, q_segment_ids=None,
   d_pad = head_dim_bucket(head_dim)
   block_q, block_k = blocks.block_q, blocks.block_k
 
-  # K and V stream through every query tile of a KV head: the wave of
-  # heads is sized so that its K/V (at the mean sequence length) stay in L2.
-  order = _tiles.launch_order(
-      n_tiles=pl.cdiv(max_seqlen_q, block_q), num_seqs=num_seqs,
-      heads=heads_q, heads_per_wave=blocks.heads_per_wave,
-      bytes_per_head=2 * pl.cdiv(total_k, num_seqs) * d_pad
-      * k.dtype.itemsize,
-      heads_sharing=group, reverse=True)
-  head_of = lambda *ids: order.tile_seq_head(*ids)[2]
+  order = _tiles.query_tile_order(
+      k, d_pad, n_tiles=pl.cdiv(max_seqlen_q, block_q), num_seqs=num_seqs,
+      heads_q=heads_q, heads_per_wave=blocks.heads_per_wave)
+  head_of = order.head
 
   def full(shape):
     return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
