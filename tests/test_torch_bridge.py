@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -800,6 +801,66 @@ def test_direct_launch_captures_every_kernel(fake_h200, monkeypatch, has_sinks,
     assert all(len(k.asm["cubin"]) > 0 for k in plan.kernels.values())
 
 
+def test_xla_cubin_reading(fake_h200):
+  """`_xla_cubin` on pip Triton's cubins of the backward (sm_90, compiled on
+  CPU): whole images are found among other bytes, with their kernels and
+  parameter layouts (the pointers the launch passes plus Triton's two
+  scratch pointers); XLA's launch dimensions are read from a thunk dump."""
+  pytest.importorskip("triton")
+  from torch_bridge import _direct, _xla_cubin
+  static = ("pallas", True, -1, 0, 0.0, 0.125, 0, 0, False)
+  shape = _direct._Shape(1, 64, 64, 4, 2, 64, torch.bfloat16, False, False)
+  plan = _direct.DensePlan(static, shape, (9, 0))
+  plan.ensure_backward()
+  assert plan.xla == {}  # no GPU JAX backend here: pip Triton's code
+  names = _direct._KERNELS[1:]
+  cubins = [plan.kernels[n].kernel for n in names]
+  blob = b"\x7fELF-not-an-image" + b"pad".join(cubins) + b"\x7fELF"
+  assert _xla_cubin.elf_images(blob) == cubins
+
+  def snappy_literals(data):  # a valid Snappy block of literals only
+    out = bytearray()
+    n = len(data)
+    while True:
+      out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+      n >>= 7
+      if not n:
+        break
+    for i in range(0, len(data), 4096):
+      piece = data[i:i + 4096]
+      out += bytes([61 << 2]) + (len(piece) - 1).to_bytes(2, "little")
+      out += piece
+    return bytes(out)
+
+  # PJRT's layout: a Riegeli file (a 24-byte block header, the first
+  # holding the signature, every 64 KiB) whose Snappy-compressed record
+  # holds the cubin.
+  data = snappy_literals(b"record:" + cubins[1])
+  riegeli = _xla_cubin._RIEGELI_SIGNATURE + bytes(16)
+  while data:
+    room = 65536 - len(riegeli) % 65536
+    riegeli += data[:room]
+    data = data[room:]
+    if data:
+      riegeli += bytes(24)
+  parts = list(_xla_cubin._unpacked(b"prefix" + riegeli))
+  assert [e for p in parts for e in _xla_cubin.elf_images(p)] == [cubins[1]]
+  params = {"fold_flash_backward_preprocess": 6,
+            "fold_flash_backward_dkdv": 10, "fold_flash_backward_dq": 9}
+  for name, elf in zip(names, cubins):
+    assert _xla_cubin.functions(elf) == [name]
+    layout = _xla_cubin.param_layout(elf, name)
+    assert layout == [(i, 8 * i, 8) for i in range(params[name] + 2)]
+    assert _xla_cubin.param_layout(elf, "another_kernel") == []
+  with tempfile.TemporaryDirectory() as d:
+    with open(os.path.join(d, "module_1.jit_f.thunk_sequence.txt"), "w") as f:
+      f.write("005: kCustomKernel [prev=004 (1) | sink        ] "
+              "fold_flash_backward_dkdv grid: [8, 64, 2] threads: "
+              "[128, 1, 1]  shared_memory: 99328 bytes\n")
+    assert _xla_cubin._launch_dims(d) == {
+        "fold_flash_backward_dkdv": ((8, 64, 2), 128, 99328)}
+
+
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("causal,window,softcap,has_sinks,segments", [
@@ -835,6 +896,8 @@ def test_gpu_direct_launch_matches_jax_path(monkeypatch, causal, window,
   plan = list(_direct._plans.values())[-1]
   assert isinstance(plan, _direct.DensePlan)  # and building did not fail
   assert set(plan.kernels) == set(_direct._KERNELS)
+  # The backward's kernels run XLA's compile (what jax.jit runs).
+  assert set(plan.xla) == set(_direct._KERNELS[1:])
   again = run()
   for a, b in zip(direct, again):
     assert torch.equal(a, b)
@@ -844,6 +907,10 @@ def test_gpu_direct_launch_matches_jax_path(monkeypatch, causal, window,
     scale = b.float().abs().max().item() + 1e-6
     torch.testing.assert_close(a.float() / scale, b.float() / scale,
                                atol=2e-2, rtol=0)
+  # The same cubins on the same inputs: the JAX path's bits (the output,
+  # by pip Triton on both paths, and dq, dk, dv, by XLA's compile).
+  for a, b in zip((direct[0],) + direct[2:5], (via_jax[0],) + via_jax[2:5]):
+    assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("c2p,p2c,has_mask,compile_kernels", [

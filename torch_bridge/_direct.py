@@ -194,6 +194,34 @@ def _lean_launcher(kernel, grid):
   return launch
 
 
+def _xla_launcher(kernel, xk):
+  """launch(stream, *args) of XLA's compile `xk` (an `_xla_cubin.XlaKernel`)
+  through the C launcher of pip Triton's compile `kernel` of the same IR
+  (the caller checked that their parameters agree), with XLA's grid,
+  threads and shared memory."""
+  import triton
+  from triton.runtime import driver
+  if not triton.__version__.startswith("3.6."):
+    return None
+  kernel._init_handles()
+  run = kernel.run
+  if run.global_scratch_size or run.profile_scratch_size:
+    return None
+  device = torch.cuda.current_device()
+  module, function, _, _, _ = driver.active.utils.load_binary(
+      xk.name, xk.cubin, xk.shared, device)
+  fixed = (function, run.launch_cooperative_grid, run.launch_pdl, None, None,
+           (xk.threads // 32, 1, xk.shared), None, None, None)
+  c_launch = run.launch
+  gx, gy, gz = xk.grid
+
+  def launch(stream, *args):
+    c_launch(gx, gy, gz, stream, *fixed, *args)
+
+  launch.module = module  # loaded for as long as the launcher lives
+  return launch
+
+
 def _hooks_set() -> bool:
   from triton import knobs
   return (knobs.runtime.launch_enter_hook is not None or
@@ -206,6 +234,7 @@ class _Kernels:
   def __init__(self, compile_kernels: bool):
     self.compile_kernels = compile_kernels
     self.grids, self.kernels, self.ir, self.lean = {}, {}, {}, {}
+    self.xla = {}  # name -> _xla_cubin.XlaKernel launched instead of pip's
 
   def _add(self, name, ttir, grid, n_ptrs, num_warps, num_stages, cc):
     got = pointer_count(ttir)
@@ -220,6 +249,19 @@ class _Kernels:
   def _launch(self, name, *args, stream=None):
     """On `stream` (a raw CUDA stream handle: torch's current stream of the
     tensors' device, which the caller made current)."""
+    xk = self.xla.get(name)
+    if xk is not None and stream is not None:
+      # XLA's code always takes the lean launcher: which code runs (and so
+      # the bits) must not depend on launch hooks.
+      if name not in self.lean:
+        self.lean[name] = _xla_launcher(self.kernels[name], xk)
+        if self.lean[name] is None:
+          del self.xla[name], self.lean[name]
+          rt.announce(f"torch_bridge: XLA's compile of {name} cannot be "
+                      "launched with this pip Triton; pip Triton's runs.")
+          return self._launch(name, *args, stream=stream)
+      self.lean[name](stream, *args)
+      return
     if name not in self.lean:
       # At the first launch, on the tensors' device: loading the module
       # binds it to the current device, as Triton's own first launch does.
@@ -230,6 +272,17 @@ class _Kernels:
       lean(stream, *args)
     else:
       self.kernels[name][self.grids[name]](*args)
+
+
+def _xla_code_enabled() -> bool:
+  """FOLDAX_TORCH_BWD_CODE: "xla" (the default: the backward's dK/dV and dQ
+  kernels run XLA's compile, as under `jax.jit`) or "triton" (pip Triton's
+  compile of the same IR)."""
+  mode = os.environ.get("FOLDAX_TORCH_BWD_CODE", "xla")
+  if mode not in ("xla", "triton"):
+    raise ValueError("FOLDAX_TORCH_BWD_CODE must be 'xla' or 'triton'; got "
+                     f"{mode!r}.")
+  return mode == "xla"
 
 
 def _lean_enabled() -> bool:
@@ -332,6 +385,48 @@ class DensePlan(_Kernels):
               "fold_flash_backward_dq": 9 + seg}
     for name in names:
       self._add(name, *irs[name], n_ptrs[name], *launch[name], self.cc)
+    if names == self._BWD and self.compile_kernels and _xla_code_enabled():
+      self._take_xla_code(cfg, args, self._BWD)
+
+  def _take_xla_code(self, cfg, args, names):
+    """Launch XLA's compile of `names` (the one `jax.jit` runs: JAX's speed
+    and bits) instead of pip Triton's, where it can be found and its
+    parameters match pip's (`torch_bridge._xla_cubin`); said once."""
+    import jax
+    from pallas_kernels.flash.config import compiled_by
+    from torch_bridge import _jax_side
+    from torch_bridge import _xla_cubin
+    if jax.default_backend() != "gpu":  # e.g. the CPU tests' stubbed sm_90
+      return
+    try:
+      with compiled_by("xla"):
+        fn = jax.jit(functools.partial(_jax_side._pallas_bwd, cfg))
+        found = _xla_cubin.xla_kernels(fn, args, names)
+      took = []
+      for name in names:
+        xk = found.get(name)
+        if xk is None:
+          continue
+        pip_params = _xla_cubin.param_layout(self.kernels[name].kernel, name)
+        xla_params = _xla_cubin.param_layout(xk.cubin, name)
+        # XLA's compile declares no scratch pointers; the launcher's two
+        # trailing (null) ones are then beyond its parameters, unread.
+        if (xla_params and pip_params[:len(xla_params)] == xla_params and
+            len(pip_params) - len(xla_params) in (0, 2)):
+          self.xla[name] = xk
+          took.append(name)
+      missing = [n for n in names if n not in took]
+    except Exception as e:  # noqa: BLE001
+      took = []
+      missing = [f"{names} ({type(e).__name__}: {str(e)[:200]})"]
+    if took:
+      rt.announce("torch_bridge: the direct backward launches XLA's compile "
+                  f"of {', '.join(took)} (the code jax.jit runs; "
+                  "FOLDAX_TORCH_BWD_CODE=triton: pip Triton's).")
+    if missing:
+      rt.announce("torch_bridge: XLA's compile of "
+                  f"{', '.join(map(str, missing))} was not usable; the "
+                  "direct backward launches pip Triton's compile there.")
 
   def _cu(self, device):
     """cu_seqlens of the dense batch (made once per device, read only, by
