@@ -801,6 +801,23 @@ def test_direct_launch_captures_every_kernel(fake_h200, monkeypatch, has_sinks,
     assert all(len(k.asm["cubin"]) > 0 for k in plan.kernels.values())
 
 
+def test_backward_code_choice(monkeypatch):
+  """FOLDAX_TORCH_BWD_CODE: XLA's compile of the backward by default
+  without GQA, pip Triton's with it; either when asked; a clear error
+  otherwise."""
+  from torch_bridge import _direct
+  monkeypatch.delenv("FOLDAX_TORCH_BWD_CODE", raising=False)
+  assert _direct._xla_code_wanted(gqa=False)
+  assert not _direct._xla_code_wanted(gqa=True)
+  monkeypatch.setenv("FOLDAX_TORCH_BWD_CODE", "xla")
+  assert _direct._xla_code_wanted(gqa=True)
+  monkeypatch.setenv("FOLDAX_TORCH_BWD_CODE", "triton")
+  assert not _direct._xla_code_wanted(gqa=False)
+  monkeypatch.setenv("FOLDAX_TORCH_BWD_CODE", "cuda")
+  with pytest.raises(ValueError, match="FOLDAX_TORCH_BWD_CODE"):
+    _direct._xla_code_wanted(gqa=False)
+
+
 def test_xla_cubin_reading(fake_h200):
   """`_xla_cubin` on pip Triton's cubins of the backward (sm_90, compiled on
   CPU): whole images are found among other bytes, with their kernels and
@@ -872,6 +889,8 @@ def test_gpu_direct_launch_matches_jax_path(monkeypatch, causal, window,
   outputs, LSE and every gradient agree to rounding, and repeated calls
   give the same bits."""
   from torch_bridge import _direct
+  # XLA's compile of the backward (the default runs it without GQA only).
+  monkeypatch.setenv("FOLDAX_TORCH_BWD_CODE", "xla")
   torch.manual_seed(0)
   q, k, v = (x.detach().cuda().to(torch.bfloat16).requires_grad_()
              for x in _qkv(2, 200, 200, 8, 2, 128, grad=False))

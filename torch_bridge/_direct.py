@@ -274,15 +274,20 @@ class _Kernels:
       self.kernels[name][self.grids[name]](*args)
 
 
-def _xla_code_enabled() -> bool:
-  """FOLDAX_TORCH_BWD_CODE: "xla" (the default: the backward's dK/dV and dQ
-  kernels run XLA's compile, as under `jax.jit`) or "triton" (pip Triton's
-  compile of the same IR)."""
-  mode = os.environ.get("FOLDAX_TORCH_BWD_CODE", "xla")
-  if mode not in ("xla", "triton"):
-    raise ValueError("FOLDAX_TORCH_BWD_CODE must be 'xla' or 'triton'; got "
-                     f"{mode!r}.")
-  return mode == "xla"
+def _xla_code_wanted(gqa: bool) -> bool:
+  """FOLDAX_TORCH_BWD_CODE: which compile of the backward's kernels the
+  direct launch runs. "xla": XLA's (the code `jax.jit` runs); "triton": pip
+  Triton's; "auto" (the default): XLA's without GQA, pip Triton's with it.
+  On the H200 XLA's compile is the faster one at B1 H16 S4096 D128 causal
+  (0.560 against 0.611 ms, benchmarks/results/h200/xla-cubin-2026-12-04)
+  and B4 H16 S2048 D64 (0.481 against 0.547 ms, pip-triton-2026-12-03),
+  pip Triton's at B4 S2048 H16/4 D64 (0.544 against 0.624 ms,
+  bridge-host-2026-12-03)."""
+  mode = os.environ.get("FOLDAX_TORCH_BWD_CODE", "auto")
+  if mode not in ("auto", "xla", "triton"):
+    raise ValueError("FOLDAX_TORCH_BWD_CODE must be 'auto', 'xla' or "
+                     f"'triton'; got {mode!r}.")
+  return mode == "xla" or (mode == "auto" and not gqa)
 
 
 def _lean_enabled() -> bool:
@@ -385,7 +390,8 @@ class DensePlan(_Kernels):
               "fold_flash_backward_dq": 9 + seg}
     for name in names:
       self._add(name, *irs[name], n_ptrs[name], *launch[name], self.cc)
-    if names == self._BWD and self.compile_kernels and _xla_code_enabled():
+    if (names == self._BWD and self.compile_kernels and
+        _xla_code_wanted(s.hq != s.hkv)):
       self._take_xla_code(cfg, args, self._BWD)
 
   def _take_xla_code(self, cfg, args, names):
