@@ -20,6 +20,10 @@ kernels the JAX path runs, directly:
    shipped block table; both steps run inside
    `pallas_kernels.flash.config.compiled_by("triton")`, whose entries
    replace XLA's where the two compilers favour different tiles.
+   Without GQA the backward's kernels then run XLA's compile of the same
+   IR instead (the cubins `jax.jit` runs, 9% faster there: see
+   `torch_bridge._xla_cubin` and `_xla_code_wanted`), through pip
+   Triton's launcher.
 3. Calls launch the compiled kernels on torch tensors, on torch's current
    stream; what XLA did between the kernels (reshapes, the natural-log LSE,
    zero-initialised accumulators, the sinks' gradient) is done in torch.
