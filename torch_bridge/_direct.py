@@ -285,7 +285,8 @@ def _xla_code_wanted(gqa: bool) -> bool:
   On the H200 XLA's compile is the faster one at B1 H16 S4096 D128 causal
   (0.560 against 0.611 ms, benchmarks/results/h200/xla-cubin-2026-12-04)
   and B4 H16 S2048 D64 (0.481 against 0.547 ms, pip-triton-2026-12-03),
-  pip Triton's at B4 S2048 H16/4 D64 (0.544 against 0.624 ms,
+  pip Triton's at B4 S2048 H16/4 D64 (0.526 against 0.555 ms,
+  xla-cubin-2026-12-04/gqa-d64; 0.544 against 0.624 ms in
   bridge-host-2026-12-03)."""
   mode = os.environ.get("FOLDAX_TORCH_BWD_CODE", "auto")
   if mode not in ("auto", "xla", "triton"):
