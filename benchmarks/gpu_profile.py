@@ -4,7 +4,7 @@ XLA's included).
 
     python -m benchmarks.gpu_profile deberta --point fwd-b16-l512
     python -m benchmarks.gpu_profile deberta --point train-b2-l2048 --impls fold_jax
-    python -m benchmarks.gpu_profile llama --impls fold,sdpa
+    python -m benchmarks.gpu_profile llama --impls fold,sdpa,sdpa_flash
 
 Prints, per implementation: host wall time per call, the sum of kernel
 times per call (the gap is host-bound time), and the kernels that take the
@@ -33,6 +33,15 @@ def _profile(fn, calls: int, top: int) -> dict:
     fn()
   torch.cuda.synchronize()
   wall = (time.perf_counter() - t) / calls
+  # Host time: each call's return with the GPU idle at its start (the host
+  # enqueues while the GPU runs behind; wall - host ~ GPU-bound time).
+  host = []
+  for _ in range(calls):
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    fn()
+    host.append(time.perf_counter() - t)
+  torch.cuda.synchronize()
   with profile(activities=[ProfilerActivity.CUDA]) as prof:
     for _ in range(calls):
       fn()
@@ -52,6 +61,7 @@ def _profile(fn, calls: int, top: int) -> dict:
                share=round(v / calls / total, 3) if total else None)
           for n, v in per.most_common(top)]
   return dict(wall_ms=round(wall * 1e3, 3), kernel_ms=round(total / 1e3, 3),
+              host_ms=round(sorted(host)[len(host) // 2] * 1e3, 3),
               launches_per_call=round(sum(count.values()) / calls, 1),
               top=rows)
 
@@ -252,6 +262,7 @@ def _llama(args) -> dict:
   bf16) per attn_implementation."""
   import copy
   import torch
+  from torch.nn.attention import SDPBackend, sdpa_kernel
   from benchmarks.bridge import LLAMA_GPU as c
   from benchmarks.bridge import llama_model
   base = llama_model(c, "cuda", torch.bfloat16)
@@ -259,12 +270,16 @@ def _llama(args) -> dict:
   out = {}
   for impl in args.impls.split(","):
     m = copy.deepcopy(base)
-    m.set_attn_implementation(impl)
+    # "sdpa_flash": SDPA with torch's flash backend forced, as the bridge
+    # suite's Llama step runs it.
+    m.set_attn_implementation("sdpa" if impl == "sdpa_flash" else impl)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-5, fused=True)
 
     def step():
       m.zero_grad(set_to_none=True)
-      m(input_ids=ids, labels=ids).loss.backward()
+      with (sdpa_kernel([SDPBackend.FLASH_ATTENTION]) if impl == "sdpa_flash"
+            else contextlib.nullcontext()):
+        m(input_ids=ids, labels=ids).loss.backward()
       opt.step()
     try:
       out[impl] = _profile(step, args.calls, args.top)
@@ -274,7 +289,7 @@ def _llama(args) -> dict:
     finally:
       del m, opt
     print(f"== llama {impl} train step: wall {out[impl]['wall_ms']} ms, "
-          f"kernels {out[impl]['kernel_ms']} ms, "
+          f"kernels {out[impl]['kernel_ms']} ms, host {out[impl]['host_ms']} ms, "
           f"{out[impl]['launches_per_call']} launches", flush=True)
     for r in out[impl]["top"]:
       print(f"   {r['us_per_call']:9.1f} us  x{r['launches_per_call']:<6} "

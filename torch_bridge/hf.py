@@ -297,12 +297,30 @@ def fold_attention_forward(module, query, key, value, attention_mask,
   k = _to_bshd(key, bk)
   v = _to_bshd(value, bk)
   sinks = s_aux
-  static = _dense_static(q, causal, window, softcap, float(scaling), sinks)
+  static = _static(q, causal, window, softcap, float(scaling), sinks)
   out, _, _ = _call(q, k, v, sinks, q_seg, k_seg, None, None, static,
                     need_lse=False)
   if bq != sq:
     out = out[:, bq - sq:]
   return out, None
+
+
+_statics: dict = {}
+
+
+def _static(q, causal, window, softcap, scaling, sinks) -> tuple:
+  """`_dense_static`, remembered per layer configuration (every layer of a
+  model calls with the same options: the checks run once)."""
+  if sinks is not None:
+    return _dense_static(q, causal, window, softcap, scaling, sinks)
+  key = (q.shape[-1], q.device, q.dtype, causal, window, softcap, scaling)
+  static = _statics.get(key)
+  if static is None:
+    if len(_statics) >= 1024:
+      _statics.clear()
+    static = _statics[key] = _dense_static(q, causal, window, softcap,
+                                           scaling, None)
+  return static
 
 
 def register() -> None:
