@@ -184,6 +184,20 @@ def test_used_lengths_skip_padding_with_the_same_bits(split):
   valid = mask.reshape(-1).astype(bool)
   assert np.all(np.asarray(o2)[~valid] == 0)
   assert np.all(np.isinf(np.asarray(l2)[:, ~valid]))
+  # The backward likewise: the same bits with seq_lens as without, and
+  # every gradient row written (zeros on the padding).
+  from pallas_kernels.deberta.backward import disentangled_backward
+  do = jax.random.normal(jax.random.key(7), flat[0].shape, q.dtype)
+  bwd = jax.jit(functools.partial(disentangled_backward, cfg=cfg,
+                                  blocks=blocks, max_seqlen=s,
+                                  interpret=True))
+  g1 = bwd(*flat, pk, pq, c, p, o1, l1, do, cu, tm, None, None)
+  g2 = bwd(*flat, pk, pq, c, p, o1, l1, do, cu, tm, None, lens)
+  for name, a, e in zip(NAMES, g2, g1):
+    assert not np.any(np.isnan(np.asarray(a))), f"unwritten rows of {name}"
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(e), err_msg=name)
+  for a in g2[:3]:
+    assert np.all(np.asarray(a)[~valid] == 0)
   # And the public API (which passes seq_lens) matches the reference there.
   r = disentangled_attention_reference(q, k, v, pk, pq, attention_mask=mask,
                                        pos_att_type=BOTH, **POS)

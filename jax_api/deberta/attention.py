@@ -54,10 +54,9 @@ def _kernel_attention(q, k, v, pos_key, pos_query, cu, token_mask, seed,
 
 def _used_lengths(token_mask, cu, max_seqlen: int):
   """int32 [num_seqs]: a right-padded (or unpadded) row's valid length,
-  else MASKED_ROW (computed on the device: no host sync). The forward then
-  skips a right-padded row's padding tiles and does not read its mask,
-  with the same bits (see `pallas_kernels.deberta.forward`); the backward
-  keeps the token mask over the whole slot."""
+  else MASKED_ROW (computed on the device: no host sync). The forward and
+  the backward then skip a right-padded row's padding tiles and do not read
+  its mask, with the same bits (see `pallas_kernels.deberta.forward`)."""
   b = cu.shape[0] - 1
   m = token_mask.reshape(b, max_seqlen) != 0
   n = jnp.sum(m, axis=1, dtype=jnp.int32)
@@ -88,9 +87,11 @@ def _bwd(cfg, blocks, max_seqlen, interpret, res, do):
   (tq, tk, tpk, tpq), do = jax.lax.optimization_barrier(
       ((q, k, pos_key, pos_query), do))
   c, p = position_tables(tq, tk, tpk, tpq, cfg, blocks, interpret)
+  lens = (None if token_mask is None else
+          _used_lengths(token_mask, cu, max_seqlen))
   dq, dk, dv, dpk, dpq = disentangled_backward(
       q, k, v, pos_key, pos_query, c, p, out, lse2, do.astype(q.dtype), cu,
-      token_mask, seed, cfg=cfg, blocks=blocks, max_seqlen=max_seqlen,
+      token_mask, seed, lens, cfg=cfg, blocks=blocks, max_seqlen=max_seqlen,
       interpret=interpret)
   dpk = None if pos_key is None else dpk.astype(pos_key.dtype)
   dpq = None if pos_query is None else dpq.astype(pos_query.dtype)

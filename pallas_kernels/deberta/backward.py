@@ -64,10 +64,11 @@ def band_dtype(dtype):
   return jnp.bfloat16 if jnp.dtype(dtype) == jnp.bfloat16 else jnp.float32
 
 
-def _unpack(cfg, refs):
+def _unpack(cfg, refs, has_lens):
   refs = list(refs)
   r = {}
   r["mask"] = refs.pop(0) if cfg.has_mask else None
+  r["lens"] = refs.pop(0) if has_lens else None
   r["seed"] = refs.pop(0) if cfg.has_dropout else None
   r["q"], r["k"], r["v"] = refs.pop(0), refs.pop(0), refs.pop(0)
   r["c"] = refs.pop(0) if cfg.c2p else None
@@ -77,10 +78,30 @@ def _unpack(cfg, refs):
   return r, refs
 
 
+def _used_tokens(r, seq, n_slot):
+  """(tokens the kernel works on, whether the sequence reads the token
+  mask): with seq_lens (see `pallas_kernels.deberta.forward`) a sequence
+  whose valid tokens are a prefix works on that prefix and never reads the
+  mask; None for the second when there are no seq_lens."""
+  if r["lens"] is None:
+    return n_slot, None
+  used = r["lens"][seq]
+  row_masked = used < 0  # MASKED_ROW
+  return jnp.where(row_masked, n_slot, jnp.minimum(n_slot, used)), row_masked
+
+
+def _loop_with_mask(cfg, row_masked, loop):
+  """loop(read_mask): two copies where seq_lens say which sequences read
+  the token mask (the prefix ones skip its loads), else one."""
+  if cfg.has_mask and row_masked is not None:
+    return lax.cond(row_masked, lambda: loop(True), lambda: loop(False))
+  return loop(cfg.has_mask)
+
+
 def _dq_kernel(cu_ref, slot_ref, *refs, cfg: KernelConfig, block_q: int,
-               block_k: int):
+               block_k: int, has_lens: bool):
   """dq (float32, without the c2p band part) and the c2p band rows."""
-  r, rest = _unpack(cfg, refs)
+  r, rest = _unpack(cfg, refs, has_lens)
   if cfg.c2p:
     _, dq_ref, delta_ref, band_ref = rest  # rest[0]: the band's alias
   else:
@@ -88,21 +109,33 @@ def _dq_kernel(cu_ref, slot_ref, *refs, cfg: KernelConfig, block_q: int,
   q_ref, k_ref, v_ref = r["q"], r["k"], r["v"]
   q_blk, seq, head = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   off = cu_ref[seq]
-  n = cu_ref[seq + 1] - off
+  n_slot = cu_ref[seq + 1] - off
+  n, row_masked = _used_tokens(r, seq, n_slot)
   q0 = q_blk * block_q
   total, d_pad = q_ref.shape
   dtype = q_ref.dtype
   precision = dot_precision(dtype)
   scale_log2 = cfg.scale * LOG2E
   g = cfg.geometry
+  head_mask = cm.head_dim_mask(cfg.head_dim, d_pad)
+  q_pos = q0 + jnp.arange(block_q, dtype=jnp.int32)
+  rows = pl.ds(off + q0, block_q)
+  # Rows written: the slot's (a padding row's dq and D are 0; its band rows
+  # keep their zero initialisation).
+  q_store = mask_and((q_pos < n_slot)[:, None], head_mask)
+
+  if has_lens:
+    @pl.when((q0 >= n) & (q0 < n_slot))
+    def _():
+      plgpu.store(dq_ref.at[rows, :], jnp.zeros((block_q, d_pad), jnp.float32),
+                  mask=q_store)
+      plgpu.store(delta_ref.at[rows], jnp.zeros((block_q,), jnp.float32),
+                  mask=q_pos < n_slot)
 
   @pl.when(q0 < n)
   def _():
-    head_mask = cm.head_dim_mask(cfg.head_dim, d_pad)
-    q_pos = q0 + jnp.arange(block_q, dtype=jnp.int32)
     q_valid = q_pos < n
     q_rows = jnp.minimum(off + q_pos, total - 1)
-    rows = pl.ds(off + q0, block_q)
     row_mask = mask_and(q_valid[:, None], head_mask)
     q = cm.load(q_ref.at[rows, :], mask=row_mask, other=0.0)
     do = cm.load(r["do"].at[rows, :], mask=row_mask, other=0.0)
@@ -112,10 +145,7 @@ def _dq_kernel(cu_ref, slot_ref, *refs, cfg: KernelConfig, block_q: int,
     # kernel.
     o = cm.load(r["last"].at[rows, :], mask=row_mask, other=0.0)
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=1)
-    plgpu.store(delta_ref.at[rows], delta, mask=q_valid)
-    mq = None
-    if cfg.has_mask:
-      mq = cm.load(r["mask"].at[rows], mask=q_valid, other=0) != 0
+    plgpu.store(delta_ref.at[rows], delta, mask=q_pos < n_slot)
     c_vec = {}
     if cfg.c2p:
       for kind in ("hi", "lo"):
@@ -128,7 +158,7 @@ def _dq_kernel(cu_ref, slot_ref, *refs, cfg: KernelConfig, block_q: int,
     n_kt = cm.cdiv(n, block_k)
     n_full = lax.div(n, block_k)
 
-    def step(k_blk, carry, kind, masked):
+    def step(k_blk, carry, kind, masked, mq):
       dq, sat_lo, sat_hi = carry
       k0 = k_blk * block_k
       k_pos = k0 + jnp.arange(block_k, dtype=jnp.int32)
@@ -153,7 +183,7 @@ def _dq_kernel(cu_ref, slot_ref, *refs, cfg: KernelConfig, block_q: int,
       # same float operations everywhere, so padded and packed batches give
       # the same bits.
       vis = k_valid[None, :]
-      if cfg.has_mask:
+      if mq is not None:
         mk = cm.load(r["mask"].at[pl.ds(off + k0, block_k)],
                      mask=k_valid, other=0) != 0
         vis = vis & mk[None, :] & mq[:, None]
@@ -185,8 +215,17 @@ def _dq_kernel(cu_ref, slot_ref, *refs, cfg: KernelConfig, block_q: int,
     zeros = jnp.zeros((block_q,), jnp.float32)
     carry = (jnp.zeros((block_q, d_pad), jnp.float32), zeros, zeros)
     ranges = cm.q_major_ranges(cfg, q0, block_q, block_k, n_kt)
-    dq, sat_lo, sat_hi = cm.run_ranges(cfg, ranges, n_full, step, carry)
-    plgpu.store(dq_ref.at[rows, :], dq, mask=row_mask)
+
+    def key_loop(read_mask: bool):
+      mq = None
+      if read_mask:
+        mq = cm.load(r["mask"].at[rows], mask=q_valid, other=0) != 0
+      return cm.run_ranges(
+          cfg, ranges, n_full,
+          lambda t, c, kind, masked: step(t, c, kind, masked, mq), carry)
+
+    dq, sat_lo, sat_hi = _loop_with_mask(cfg, row_masked, key_loop)
+    plgpu.store(dq_ref.at[rows, :], dq, mask=q_store)
     if cfg.c2p:
       plgpu.store(band_ref.at[rows, jnp.int32(0)],
                   sat_lo.astype(band_ref.dtype), mask=q_valid)
@@ -195,9 +234,9 @@ def _dq_kernel(cu_ref, slot_ref, *refs, cfg: KernelConfig, block_q: int,
 
 
 def _dkdv_kernel(cu_ref, slot_ref, *refs, cfg: KernelConfig, block_q: int,
-                 block_k: int):
+                 block_k: int, has_lens: bool):
   """dk (float32, without the p2c band part), dv and the p2c band rows."""
-  r, rest = _unpack(cfg, refs)
+  r, rest = _unpack(cfg, refs, has_lens)
   if cfg.p2c:
     _, dk_ref, dv_ref, band_ref = rest
   else:
@@ -205,27 +244,35 @@ def _dkdv_kernel(cu_ref, slot_ref, *refs, cfg: KernelConfig, block_q: int,
   q_ref, k_ref, v_ref = r["q"], r["k"], r["v"]
   k_blk, seq, head = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   off = cu_ref[seq]
-  n = cu_ref[seq + 1] - off
+  n_slot = cu_ref[seq + 1] - off
+  n, row_masked = _used_tokens(r, seq, n_slot)
   k0 = k_blk * block_k
   total, d_pad = q_ref.shape
   dtype = q_ref.dtype
   precision = dot_precision(dtype)
   scale_log2 = cfg.scale * LOG2E
   g = cfg.geometry
+  head_mask = cm.head_dim_mask(cfg.head_dim, d_pad)
+  k_pos = k0 + jnp.arange(block_k, dtype=jnp.int32)
+  krows = pl.ds(off + k0, block_k)
+  # Keys written: the slot's (a padding key's dk and dv are 0).
+  k_store = mask_and((k_pos < n_slot)[:, None], head_mask)
+
+  if has_lens:
+    @pl.when((k0 >= n) & (k0 < n_slot))
+    def _():
+      plgpu.store(dk_ref.at[krows, :], jnp.zeros((block_k, d_pad), jnp.float32),
+                  mask=k_store)
+      plgpu.store(dv_ref.at[krows, :],
+                  jnp.zeros((block_k, d_pad), dv_ref.dtype), mask=k_store)
 
   @pl.when(k0 < n)
   def _():
-    head_mask = cm.head_dim_mask(cfg.head_dim, d_pad)
-    k_pos = k0 + jnp.arange(block_k, dtype=jnp.int32)
     k_valid = k_pos < n
     k_rows = jnp.minimum(off + k_pos, total - 1)
-    krows = pl.ds(off + k0, block_k)
     kv_mask = mask_and(k_valid[:, None], head_mask)
     k = cm.load(k_ref.at[krows, :], mask=kv_mask, other=0.0)
     v = cm.load(v_ref.at[krows, :], mask=kv_mask, other=0.0)
-    mk = None
-    if cfg.has_mask:
-      mk = cm.load(r["mask"].at[krows], mask=k_valid, other=0) != 0
     p_vec = {}
     if cfg.p2c:
       for kind in ("hi", "lo"):
@@ -237,7 +284,7 @@ def _dkdv_kernel(cu_ref, slot_ref, *refs, cfg: KernelConfig, block_q: int,
     n_qt = cm.cdiv(n, block_q)
     n_full = lax.div(n, block_q)
 
-    def step(q_blk, carry, kind, masked):
+    def step(q_blk, carry, kind, masked, mk):
       dk, dv, sat_lo, sat_hi = carry
       q0 = q_blk * block_q
       q_pos = q0 + jnp.arange(block_q, dtype=jnp.int32)
@@ -262,7 +309,7 @@ def _dkdv_kernel(cu_ref, slot_ref, *refs, cfg: KernelConfig, block_q: int,
         s_t = s_t + bias
       p_t = jnp.exp2(s_t * scale_log2 - lse2[None, :])
       vis = q_valid[None, :] & k_valid[:, None]
-      if cfg.has_mask:
+      if mk is not None:
         mq = cm.load(r["mask"].at[rows], mask=q_valid, other=0) != 0
         vis = vis & mq[None, :] & mk[:, None]
       p_t = jnp.where(vis, p_t, 0.0)
@@ -295,10 +342,19 @@ def _dkdv_kernel(cu_ref, slot_ref, *refs, cfg: KernelConfig, block_q: int,
     zeros = jnp.zeros((block_k,), jnp.float32)
     zd = jnp.zeros((block_k, d_pad), jnp.float32)
     ranges = cm.k_major_ranges(cfg, k0, block_q, block_k, n_qt)
-    dk, dv, sat_lo, sat_hi = cm.run_ranges(cfg, ranges, n_full, step,
-                                           (zd, zd, zeros, zeros))
-    plgpu.store(dk_ref.at[krows, :], dk, mask=kv_mask)
-    plgpu.store(dv_ref.at[krows, :], dv.astype(dv_ref.dtype), mask=kv_mask)
+
+    def query_loop(read_mask: bool):
+      mk = None
+      if read_mask:
+        mk = cm.load(r["mask"].at[krows], mask=k_valid, other=0) != 0
+      return cm.run_ranges(
+          cfg, ranges, n_full,
+          lambda t, c, kind, masked: step(t, c, kind, masked, mk),
+          (zd, zd, zeros, zeros))
+
+    dk, dv, sat_lo, sat_hi = _loop_with_mask(cfg, row_masked, query_loop)
+    plgpu.store(dk_ref.at[krows, :], dk, mask=k_store)
+    plgpu.store(dv_ref.at[krows, :], dv.astype(dv_ref.dtype), mask=k_store)
     if cfg.p2c:
       plgpu.store(band_ref.at[krows, jnp.int32(0)],
                   sat_lo.astype(band_ref.dtype), mask=k_valid)
@@ -395,7 +451,7 @@ def band_product(band, table, tok_pos, tok_len, *, geo, key_rows: bool,
                                              "interpret"))
 def disentangled_backward(q, k, v, pos_key, pos_query, c2p_table, p2c_table,
                           out, lse2, do, cu_seqlens, token_mask=None,
-                          seed=None, *, cfg: KernelConfig,
+                          seed=None, seq_lens=None, *, cfg: KernelConfig,
                           blocks: DebertaBlocks, max_seqlen: int,
                           interpret: bool = False):
   """Gradients of `disentangled_forward`.
@@ -404,6 +460,9 @@ def disentangled_backward(q, k, v, pos_key, pos_query, c2p_table, p2c_table,
     q, k, v, out, do: [total, heads, head_dim]; pos_key, pos_query:
       [2*span, heads, head_dim] (or None when unused); c2p_table, p2c_table:
       the forward's tables; lse2: float32 [heads, total] from the forward.
+    seq_lens: optional int32 [num_seqs], as for `disentangled_forward`: a
+      sequence's padding tiles are skipped and, where its valid tokens are
+      a prefix, the token mask is not read; the same bits as without.
   Returns:
     dq, dk, dv (inputs' dtype; zero on tokens outside every sequence),
     dpos_key, dpos_query (float32 [2*span, heads, head_dim], or None).
@@ -427,6 +486,9 @@ def disentangled_backward(q, k, v, pos_key, pos_query, c2p_table, p2c_table,
   if cfg.has_mask:
     in_specs.append(full(token_mask.shape))
     args.append(token_mask)
+  if seq_lens is not None:
+    in_specs.append(full((num_seqs,)))
+    args.append(jnp.asarray(seq_lens, jnp.int32))
   if cfg.has_dropout:
     in_specs.append(full((1,)))
     args.append(jnp.reshape(seed, (1,)).astype(jnp.uint32))
@@ -460,7 +522,8 @@ def disentangled_backward(q, k, v, pos_key, pos_query, c2p_table, p2c_table,
       out_shape.append(jax.ShapeDtypeStruct((total, heads, g.width), bdt))
     return pl.pallas_call(
         functools.partial(kernel, cfg=cfg, block_q=blk.block_q,
-                          block_k=blk.block_k),
+                          block_k=blk.block_k,
+                          has_lens=seq_lens is not None),
         grid=(pl.cdiv(max_seqlen, tile), num_seqs, heads),
         in_specs=specs, out_specs=out_specs, out_shape=out_shape,
         input_output_aliases=aliases,
