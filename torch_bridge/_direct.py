@@ -48,6 +48,7 @@ arguments this module passes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -134,6 +135,35 @@ def _cached_plan(key, build, what: str):
           p = _FAILED
         _plans[key] = p
   return None if p is _FAILED else p
+
+
+_MISS = object()
+_call_plans: dict = {}  # a call's key -> its DensePlan, or None
+
+
+def plan_for_call(static, q, k, sinks, q_seg, k_seg,
+                  cu_q) -> "DensePlan | None":
+  """`plan(...)` if `eligible(...)`, else None, by one dictionary lookup
+  per call once a call of that key was seen (both depend only on the key
+  and on the environment switches, which are read on every call)."""
+  if cu_q is not None or not enabled() or _dq_mode() != "recompute":
+    return None
+  key = (static, q.shape, k.shape, q.dtype, q.device, sinks is None,
+         q_seg is None, k_seg is None)
+  p = _call_plans.get(key, _MISS)
+  if p is _MISS:
+    p = (plan(static, q, k, sinks, q_seg)
+         if eligible(static, q, k, q_seg, k_seg, cu_q) else None)
+    with _lock:
+      if len(_call_plans) >= 4096:
+        _call_plans.clear()
+      _call_plans[key] = p
+  return p
+
+
+def _dq_mode() -> str:
+  from pallas_kernels.flash.config import dq_mode
+  return dq_mode()
 
 
 def plan(static, q, k, sinks, q_seg=None) -> "DensePlan | None":
@@ -227,9 +257,31 @@ def _xla_launcher(kernel, xk):
 
 
 def _hooks_set() -> bool:
+  """Launch hooks installed (a profiler such as proton): launches then take
+  Triton's full path, which builds the metadata the hooks read. Triton 3.6
+  always holds hook chains, empty unless a hook was added (a chain's
+  `calls`); earlier versions hold None or the hook."""
+  runtime = _triton_runtime_knobs()
+  enter, exit_ = runtime.launch_enter_hook, runtime.launch_exit_hook
+  return ((enter is not None and bool(getattr(enter, "calls", True))) or
+          (exit_ is not None and bool(getattr(exit_, "calls", True))))
+
+
+@functools.cache
+def _triton_runtime_knobs():
   from triton import knobs
-  return (knobs.runtime.launch_enter_hook is not None or
-          knobs.runtime.launch_exit_hook is not None)
+  return knobs.runtime
+
+
+_SAME_DEVICE = contextlib.nullcontext()
+
+
+def _on_device(device: torch.device):
+  """`torch.cuda.device(device)`, or nothing when it is already current
+  (the common case; the context manager costs host time on every call)."""
+  if device.index == torch._C._cuda_getDevice():
+    return _SAME_DEVICE
+  return torch.cuda.device(device)
 
 
 class _Kernels:
@@ -239,6 +291,7 @@ class _Kernels:
     self.compile_kernels = compile_kernels
     self.grids, self.kernels, self.ir, self.lean = {}, {}, {}, {}
     self.xla = {}  # name -> _xla_cubin.XlaKernel launched instead of pip's
+    self._fast = {}  # name -> (lean launch, runs with hooks set too)
 
   def _add(self, name, ttir, grid, n_ptrs, num_warps, num_stages, cc):
     got = pointer_count(ttir)
@@ -253,6 +306,17 @@ class _Kernels:
   def _launch(self, name, *args, stream=None):
     """On `stream` (a raw CUDA stream handle: torch's current stream of the
     tensors' device, which the caller made current)."""
+    fast = self._fast.get(name)
+    if fast is not None and stream is not None and (
+        fast[1] or not _hooks_set()):
+      fast[0](stream, *args)
+      return
+    self._launch_resolving(name, args, stream)
+
+  def _launch_resolving(self, name, args, stream):
+    """`_launch` on the first call of a kernel, or with launch hooks set:
+    resolves (once) which launcher runs it and keeps the lean one in
+    `_fast` as (launch, whether it runs even with hooks set)."""
     xk = self.xla.get(name)
     if xk is not None and stream is not None:
       # XLA's code always takes the lean launcher: which code runs (and so
@@ -263,7 +327,8 @@ class _Kernels:
           del self.xla[name], self.lean[name]
           rt.announce(f"torch_bridge: XLA's compile of {name} cannot be "
                       "launched with this pip Triton; pip Triton's runs.")
-          return self._launch(name, *args, stream=stream)
+          return self._launch_resolving(name, args, stream)
+        self._fast[name] = (self.lean[name], True)
       self.lean[name](stream, *args)
       return
     if name not in self.lean:
@@ -271,6 +336,8 @@ class _Kernels:
       # binds it to the current device, as Triton's own first launch does.
       self.lean[name] = (_lean_launcher(self.kernels[name], self.grids[name])
                          if _lean_enabled() else None)
+      if self.lean[name] is not None:
+        self._fast[name] = (self.lean[name], False)
     lean = self.lean[name]
     if lean is not None and stream is not None and not _hooks_set():
       lean(stream, *args)
@@ -473,17 +540,19 @@ class DensePlan(_Kernels):
     """(out [b, sq, hq, d], lse float32 [b, hq, sq] or None, aux);
     q_seg / k_seg: int [b, sq] / [b, sk] or None."""
     s = self.shape
-    with torch.cuda.device(q.device):
-      cu_q, cu_k = self._cu(q.device)
-      out = torch.empty_like(q, memory_format=torch.contiguous_format)
-      aux = torch.empty((s.hq, s.b * s.sq), device=q.device,
-                        dtype=torch.float32)
+    dev = q.device
+    with _on_device(dev):
+      cu_q, cu_k = self._cu(dev)
       q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-      args = [cu_q, cu_k, q, k, v] + self._segs(q_seg, k_seg)
+      out = torch.empty_like(q)
+      aux = q.new_empty((s.hq, s.b * s.sq), dtype=torch.float32)
+      args = [cu_q, cu_k, q, k, v]
+      if q_seg is not None:
+        args += self._segs(q_seg, k_seg)
       if sinks is not None:
         args.append(sinks.detach().float().contiguous())
       self._launch("fold_flash_forward", *args, out, aux,
-                   stream=_raw_stream(q.device))
+                   stream=_raw_stream(dev))
     lse = None
     if need_lse:
       lse = torch.where(aux == float("inf"), float("-inf"), aux * LN2)
@@ -493,15 +562,18 @@ class DensePlan(_Kernels):
   def backward(self, q, k, v, sinks, out, aux, dout, dlse, q_seg=None,
                k_seg=None):
     """(dq, dk, dv, dsinks float32 [hq] or None)."""
-    self.ensure_backward()
+    if self._BWD[0] not in self.ir:
+      self.ensure_backward()
     s = self.shape
     total_q = s.b * s.sq
     dev = q.device
-    with torch.cuda.device(dev):
+    with _on_device(dev):
       cu_q, cu_k = self._cu(dev)
       q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
       out, aux = out.contiguous(), aux.contiguous()
-      dout = dout.to(q.dtype).contiguous()
+      if dout.dtype != q.dtype:
+        dout = dout.to(q.dtype)
+      dout = dout.contiguous()
       if dlse is None:
         dlse_rows = self._zero_rows(dev)
       else:
@@ -510,16 +582,16 @@ class DensePlan(_Kernels):
         dlse_rows = dlse_rows.contiguous()
       # Every row of a dense batch lies in a sequence: the preprocess
       # kernel writes all of delta (no zero fill needed).
-      delta = torch.empty((s.hq, total_q), device=dev, dtype=torch.float32)
+      delta = torch.empty_like(aux)  # [hq, total_q] float32
       stream = _raw_stream(dev)
       self._launch("fold_flash_backward_preprocess", cu_q, out, dout,
                    dlse_rows, delta, delta, stream=stream)
-      dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-      dk = torch.empty_like(k, memory_format=torch.contiguous_format)
-      dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+      dq = torch.empty_like(q)
+      dk = torch.empty_like(k)
+      dv = torch.empty_like(v)
       # grouped views: [total, hkv, group, d] and [hkv, group, total] are
       # the same memory as [total, hq, d] and [hq, total].
-      segs = self._segs(q_seg, k_seg)
+      segs = self._segs(q_seg, k_seg) if q_seg is not None else ()
       self._launch("fold_flash_backward_dkdv", cu_q, cu_k, q, k, v, dout,
                    aux, delta, *segs, dk, dv, stream=stream)
       self._launch("fold_flash_backward_dq", cu_q, cu_k, q, k, v, dout, aux,
@@ -662,7 +734,7 @@ class DebertaPlan(_Kernels):
     """out [b, s, h, d] in q's dtype."""
     s = self.shape
     total = s.b * s.s
-    with torch.cuda.device(q.device):
+    with _on_device(q.device):
       stream = _raw_stream(q.device)
       cu, slot = self._device_consts(q.device)
       qf, kf, vf = (x.contiguous().view(total, s.h, s.d) for x in (q, k, v))

@@ -111,8 +111,7 @@ def _fwd_impl(q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, static,
   them again); aux_tensor=False leaves the XLA path's aux as None;
   need_lse=False (eager calls that do not return it) hands torch only the
   output (lse and aux come back as None; each export costs host time)."""
-  dp = (_direct.plan(static, q, k, sinks, q_seg)
-        if _direct.eligible(static, q, k, q_seg, k_seg, cu_q) else None)
+  dp = _direct.plan_for_call(static, q, k, sinks, q_seg, k_seg, cu_q)
   if dp is not None:
     out, lse, aux = dp.forward(q, k, v, sinks, q_seg, k_seg,
                                need_lse=need_lse)
@@ -253,43 +252,47 @@ attn_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 class _EagerAttn(torch.autograd.Function):
   """The same forward/backward as the custom ops without the dispatcher's
-  Python round trips: what eager calls use (torch.compile traces the ops)."""
+  Python round trips: what eager calls use (torch.compile traces the ops).
+  apply(q, k, v, sinks, rest) with rest = (q_seg, k_seg, cu_q, cu_k,
+  static, need_lse): the arguments that get no gradient travel as one
+  (autograd inspects every argument of `apply`). Returns out, or (out, lse)
+  when need_lse."""
 
   @staticmethod
-  def forward(ctx, q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, static,
-              need_lse):
+  def forward(ctx, q, k, v, sinks, rest):
+    q_seg, k_seg, cu_q, cu_k, static, need_lse = rest
+    # Contiguous once: the forward and the backward read the same copies
+    # (a no-op for contiguous inputs, which are then saved themselves).
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     (out, lse, aux), kept = _fwd_impl(q, k, v, sinks, q_seg, k_seg, cu_q,
                                       cu_k, static, keep=True,
                                       aux_tensor=False, need_lse=need_lse)
     # The torch tensors are saved for autograd's in-place (version) checks;
     # the JAX arrays of the same buffers spare the backward their import
     # (kept until the graph is freed: a retain_graph backward runs again,
-    # and lse may exist only on the JAX side).
-    ctx.save_for_backward(q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, out, lse,
-                          aux)
+    # and lse may exist only on the JAX side). aux is private to the call
+    # (never returned), so it needs no check.
+    ctx.save_for_backward(q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, out, lse)
     ctx.kept = kept
+    ctx.aux = aux
     ctx.static = static
-    if aux is not None:
-      ctx.mark_non_differentiable(aux)
     ctx.set_materialize_grads(False)
-    return out, lse, aux
+    return (out, lse) if need_lse else out
 
   @staticmethod
-  def backward(ctx, dout, dlse, daux):
-    q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, out, lse, aux = \
-        ctx.saved_tensors
+  def backward(ctx, dout, dlse=None):
+    q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, out, lse = ctx.saved_tensors
     need = ctx.needs_input_grad
     if dout is None and dlse is None:
-      return (None,) * 10
+      return None, None, None, None, None
     if dout is None:
       dout = torch.zeros_like(out)
     dq, dk, dv, ds = _bwd_impl(dout, dlse, q, k, v, sinks, q_seg, k_seg,
-                               cu_q, cu_k, out, lse, aux, ctx.static,
+                               cu_q, cu_k, out, lse, ctx.aux, ctx.static,
                                kept=ctx.kept, ds_tensor=False)
     return ((dq if need[0] else None), (dk if need[1] else None),
             (dv if need[2] else None),
-            (ds if sinks is not None and need[3] else None),
-            None, None, None, None, None, None)
+            (ds if sinks is not None and need[3] else None), None)
 
 
 def _call(q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, static,
@@ -303,8 +306,9 @@ def _call(q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, static,
   if torch.is_grad_enabled() and (
       q.requires_grad or k.requires_grad or v.requires_grad or
       (sinks is not None and sinks.requires_grad)):
-    return _EagerAttn.apply(q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, static,
-                            need_lse)
+    res = _EagerAttn.apply(q, k, v, sinks,
+                           (q_seg, k_seg, cu_q, cu_k, static, need_lse))
+    return (res + (None,)) if need_lse else (res, None, None)
   return _fwd_impl(q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, static,
                    aux_tensor=False, need_lse=need_lse)
 
