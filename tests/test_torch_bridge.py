@@ -1014,6 +1014,102 @@ def test_gpu_direct_launch_matches_jax_path(monkeypatch, causal, window,
     assert torch.equal(direct[i], via_jax[i])
 
 
+def test_graph_capture_refuses_what_it_cannot_record(monkeypatch):
+  """While torch's stream is capturing a CUDA graph, building kernels and a
+  plan's first constants raise (they would run once, at capture, and never
+  on replay); plans already built are still served. (GPU queries stubbed;
+  the GPU test captures for real.)"""
+  from torch_bridge import _direct
+  from torch_bridge import _runtime as rt
+  rt.refuse_in_graph_capture(torch.device("cpu"), "x")  # no CUDA: no-op
+  monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+  monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+  monkeypatch.setattr(_direct, "_plans", {("built", 0): "plan"})
+  built = []
+  with pytest.raises(RuntimeError, match="CUDA graph.*warm-up"):
+    _direct._cached_plan(("new", 0), lambda: built.append(1), "a test plan")
+  assert not built and ("new", 0) not in _direct._plans
+  assert _direct._cached_plan(("built", 0), None, "a built plan") == "plan"
+  plan = object.__new__(_direct.DensePlan)
+  plan._cu_cache, plan._zero_cache = {}, {}
+  for make in (plan._cu, plan._zero_rows):
+    with pytest.raises(RuntimeError, match="CUDA graph"):
+      make(torch.device("cuda", 0))
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_cuda_graphs_replay_the_eager_bits(monkeypatch):
+  """The direct launch records into CUDA graphs: a forward+backward made
+  with torch.cuda.make_graphed_callables, and a whole step captured with
+  torch.cuda.graph, replay on new inputs with the eager call's bits. A call
+  through JAX refuses capture with an error rather than being recorded as
+  nothing."""
+  from torch_bridge import _direct
+  monkeypatch.setattr(_direct, "_plans", {})
+  monkeypatch.setattr(_direct, "_call_plans", {})
+  torch.manual_seed(0)
+  shape = (2, 160, 8, 64)
+
+  def attn(q, k, v):
+    return tb.fold_attn_func(q, k, v, causal=True)
+
+  def fresh(grad=True):
+    return torch.randn(shape, device="cuda", dtype=torch.bfloat16,
+                       requires_grad=grad)
+
+  def eager(q, k, v, g):
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    out = attn(q, k, v)
+    return (out,) + torch.autograd.grad(out, (q, k, v), g)
+
+  graphed = torch.cuda.make_graphed_callables(attn, (fresh(), fresh(),
+                                                     fresh()))
+  assert isinstance(list(_direct._plans.values())[-1], _direct.DensePlan)
+  for _ in range(2):  # new data on every replay
+    q, k, v = fresh(), fresh(), fresh()
+    g = fresh(grad=False)
+    out = graphed(q, k, v)
+    got = (out.clone(),) + torch.autograd.grad(out, (q, k, v), g)
+    for a, b in zip(got, eager(q, k, v, g)):
+      assert torch.equal(a, b)
+
+  # A whole step in one graph (static inputs, gradients set to None first).
+  sq, sk, sv, sg = fresh(), fresh(), fresh(), fresh(grad=False)
+
+  def step():
+    out = attn(sq, sk, sv)
+    out.backward(sg)
+    return out
+
+  side = torch.cuda.Stream()
+  side.wait_stream(torch.cuda.current_stream())
+  with torch.cuda.stream(side):
+    for _ in range(2):
+      step()
+  torch.cuda.current_stream().wait_stream(side)
+  for x in (sq, sk, sv):
+    x.grad = None
+  graph = torch.cuda.CUDAGraph()
+  with torch.cuda.graph(graph):
+    static_out = step()
+  for _ in range(2):
+    with torch.no_grad():
+      for x in (sq, sk, sv, sg):
+        x.copy_(torch.randn_like(x))
+    graph.replay()
+    want = eager(sq, sk, sv, sg)
+    for a, b in zip((static_out, sq.grad, sk.grad, sv.grad), want):
+      assert torch.equal(a, b)
+
+  monkeypatch.setenv("FOLDAX_TORCH_LAUNCH", "jax")
+  with torch.no_grad():
+    attn(sq, sk, sv)  # the JAX path compiled, outside any capture
+    with pytest.raises(RuntimeError, match="CUDA graph"):
+      with torch.cuda.graph(torch.cuda.CUDAGraph()):
+        attn(sq, sk, sv)
+
+
 @pytest.mark.parametrize("c2p,p2c,has_mask,compile_kernels", [
     (True, True, True, True), (True, False, False, False),
     (False, True, True, False)])

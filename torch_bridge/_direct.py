@@ -123,6 +123,7 @@ def _cached_plan(key, build, what: str):
   compiled by XLA)."""
   p = _plans.get(key)
   if p is None:
+    rt.refuse_in_graph_capture(key[-1], f"building the kernels of {what}")
     with _lock:
       p = _plans.get(key)
       if p is None:
@@ -394,6 +395,7 @@ class DensePlan(_Kernels):
 
   def ensure_backward(self):
     if self._BWD[0] not in self.ir:
+      rt.refuse_in_graph_capture(None, "building the backward's kernels")
       with self._bwd_lock:
         if self._BWD[0] not in self.ir:
           self._build(self._BWD)
@@ -511,6 +513,7 @@ class DensePlan(_Kernels):
     a blocking host-to-device copy: complete before any stream reads it)."""
     cu = self._cu_cache.get(device)
     if cu is None:
+      rt.refuse_in_graph_capture(device, "a first call's constants")
       s = self.shape
       r = torch.arange(s.b + 1, dtype=torch.int32)
       cu = self._cu_cache[device] = ((r * s.sq).to(device),
@@ -523,6 +526,7 @@ class DensePlan(_Kernels):
     host-to-device copy; kernels only read it)."""
     z = self._zero_cache.get(device)
     if z is None:
+      rt.refuse_in_graph_capture(device, "a first backward's constants")
       s = self.shape
       z = self._zero_cache[device] = torch.zeros(
           (s.hq, s.b * s.sq), dtype=torch.float32).to(device)
@@ -714,6 +718,7 @@ class DebertaPlan(_Kernels):
   def _device_consts(self, device):
     c = self._consts.get(device)
     if c is None:
+      rt.refuse_in_graph_capture(device, "a first call's constants")
       s = self.shape
       # Blocking host-to-device copies: complete before any stream reads.
       cu = (torch.arange(s.b + 1, dtype=torch.int32) * s.s).to(device)

@@ -78,6 +78,29 @@ def announce(msg: str) -> None:
   log.warning(msg)
 
 
+def refuse_in_graph_capture(device, what: str) -> None:
+  """Raises RuntimeError when torch's current stream is capturing a CUDA
+  graph and this call would do `what`: work a graph of torch's stream cannot
+  record (JAX's launches on its own streams, compiling, a blocking copy).
+  Such work would run once, at capture, and never on replay, so replays
+  would silently read stale buffers. `device`: the CUDA device, for the
+  message (or None)."""
+  import torch
+  # No capture without an initialised CUDA context (and the query itself
+  # fails on machines without a driver).
+  if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
+    on = "" if device is None else f" on {device}"
+    raise RuntimeError(
+        f"torch_bridge: {what} cannot be recorded in a CUDA graph (torch's "
+        f"current stream{on} is capturing). Dense attention on the direct "
+        "launch records into graphs once one eager call of the same shape "
+        "has run outside the capture (a warm-up, as "
+        "torch.cuda.make_graphed_callables does; it builds the kernels and "
+        "constants); calls through JAX (varlen, the KV cache, DeBERTa "
+        "training, FOLDAX_TORCH_LAUNCH=jax) cannot: keep them out of the "
+        "graph.")
+
+
 def configure_jax_allocator() -> bool:
   """Sets XLA_PYTHON_CLIENT_PREALLOCATE=false unless the user chose an
   allocator setting. Returns True when it set the variable."""
@@ -334,6 +357,9 @@ class Importer:
     self.stream = None
     self._dev = target.jax_device
     self._dl_type = target.dl_type
+    if target.cuda:
+      refuse_in_graph_capture(target.torch_device,
+                              "a call through JAX and DLPack")
     if target.cuda and _low_level:
       try:
         self.stream = _order_jax_after_torch(target)

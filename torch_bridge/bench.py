@@ -5,6 +5,7 @@
     python -m torch_bridge.bench --seq 128 --phases   # + fwd+bwd breakdown
     python -m torch_bridge.bench --seq 4096 --pipeline  # which step blocks
     python -m torch_bridge.bench --seq 128 --direct-phases  # direct launch
+    python -m torch_bridge.bench --seq 128 4096 --graphs  # in CUDA graphs
 
 "JAX alone" calls the very jitted function the bridge calls, on JAX arrays
 that already live on the device (what a JAX user pays); "bridge" calls
@@ -54,7 +55,8 @@ def _median_us(fn, iters, device, warmup=10):
 
 def overhead(batch=1, heads=16, seq=128, head_dim=128, dtype=None,
              device=None, iters=200, causal=True, phases=False,
-             pipeline=False, direct_phases=False, profile=0) -> dict:
+             pipeline=False, direct_phases=False, profile=0,
+             graphs=False) -> dict:
   import jax
   if device is None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -115,6 +117,8 @@ def overhead(batch=1, heads=16, seq=128, head_dim=128, dtype=None,
     r.update(_direct_phases(q, k, v, do, qg, kg, vg, static, iters, device,
                             bridge_fwd_bwd))
     r.update(_timeline(qg, kg, vg, do, static, iters, device))
+  if graphs:
+    r.update(_graphs(q, k, v, do, causal, iters, device))
   if profile:
     _profile(bridge_fwd_bwd, profile, device)
   if phases:
@@ -427,6 +431,49 @@ def _pipeline(plan, target, q, k, v, qg, kg, vg, do, static, causal, n,
   return r
 
 
+def _graphs(q, k, v, do, causal, iters, device) -> dict:
+  """The bridge inside CUDA graphs (the direct launch records on torch's
+  stream): the forward alone and a whole forward+backward step captured
+  with torch.cuda.graph, replayed; each replay timed with a synchronisation
+  like the other figures. Also whether a replay gives the eager call's
+  bits."""
+  qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+
+  def fwd():
+    with torch.no_grad():
+      return tb.fold_attn_func(qg, kg, vg, causal=causal)
+
+  def step():
+    out = tb.fold_attn_func(qg, kg, vg, causal=causal)
+    out.backward(do)
+    return out
+
+  side = torch.cuda.Stream(device)
+  side.wait_stream(torch.cuda.current_stream(device))
+  with torch.cuda.stream(side):  # warm-up off the capture's stream
+    for _ in range(3):
+      fwd()
+      step()
+  torch.cuda.current_stream(device).wait_stream(side)
+  for x in (qg, kg, vg):
+    x.grad = None
+  fwd_graph, step_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+  with torch.cuda.graph(fwd_graph):
+    fwd()
+  with torch.cuda.graph(step_graph):
+    out = step()
+  r = {"graph_fwd_us": _median_us(fwd_graph.replay, iters, device),
+       "graph_fwd_bwd_us": _median_us(step_graph.replay, iters, device)}
+  step_graph.replay()
+  qe, ke, ve = (x.detach().clone().requires_grad_() for x in (q, k, v))
+  oe = tb.fold_attn_func(qe, ke, ve, causal=causal)
+  ge = torch.autograd.grad(oe, (qe, ke, ve), do)
+  r["graph_bits_equal_eager"] = bool(
+      torch.equal(out, oe) and all(torch.equal(a.grad, b)
+                                   for a, b in zip((qg, kg, vg), ge)))
+  return r
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--seq", type=int, nargs="*", default=[128, 4096])
@@ -445,12 +492,16 @@ def main(argv=None):
                       "the costliest functions")
   p.add_argument("--direct-phases", action="store_true",
                  help="also time the parts of a direct-launch call")
+  p.add_argument("--graphs", action="store_true",
+                 help="also time the forward and a forward+backward step "
+                      "captured in CUDA graphs (GPU)")
   a = p.parse_args(argv)
   dtype = getattr(torch, a.dtype) if a.dtype else None
   for s in a.seq:
     r = overhead(a.batch, a.heads, s, a.head_dim, dtype, a.device, a.iters,
                  phases=a.phases, pipeline=a.pipeline,
-                 direct_phases=a.direct_phases, profile=a.profile)
+                 direct_phases=a.direct_phases, profile=a.profile,
+                 graphs=a.graphs)
     print(json.dumps({k: (round(v, 1) if isinstance(v, float) else v)
                       for k, v in r.items()}))
 
