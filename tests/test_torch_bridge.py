@@ -1110,6 +1110,47 @@ def test_gpu_cuda_graphs_replay_the_eager_bits(monkeypatch):
         attn(sq, sk, sv)
 
 
+@pytest.mark.gpu
+@gpu
+def test_gpu_compile_reduce_overhead_matches_eager(monkeypatch):
+  """torch.compile(mode="reduce-overhead") (inductor's CUDA graph trees)
+  of a block calling the bridge records the custom ops into graphs (a skip
+  is an error here) and its replays, forward and backward, match eager."""
+  import torch._inductor.config as inductor_config
+  from torch._dynamo.utils import counters
+  monkeypatch.setattr(inductor_config.triton, "cudagraph_or_error", True)
+  counters.clear()
+  torch.manual_seed(0)
+
+  class Block(torch.nn.Module):
+    def __init__(self):
+      super().__init__()
+      self.proj = torch.nn.Linear(64, 64, device="cuda", dtype=torch.bfloat16)
+
+    def forward(self, x):  # x: [b, s, h, d]
+      return tb.fold_attn_func(self.proj(x), x, x, causal=True)
+
+  block = Block()
+  compiled = torch.compile(block, mode="reduce-overhead", fullgraph=True)
+  for _ in range(4):  # warm-up, recording, then replays
+    torch.compiler.cudagraph_mark_step_begin()
+    x = torch.randn(2, 128, 4, 64, device="cuda", dtype=torch.bfloat16,
+                    requires_grad=True)
+    g = torch.randn_like(x)
+    out = compiled(x)
+    got = (out.detach().clone(),) + tuple(
+        t.clone() for t in torch.autograd.grad(out, (x,) + tuple(
+            block.parameters()), g))
+    out_e = block(x)
+    want = (out_e.detach(),) + torch.autograd.grad(
+        out_e, (x,) + tuple(block.parameters()), g)
+    for a, b in zip(got, want):
+      scale = b.float().abs().max().item() + 1e-6
+      torch.testing.assert_close(a.float() / scale, b.float() / scale,
+                                 atol=2e-2, rtol=0)
+  assert counters["inductor"]["cudagraph_skips"] == 0
+
+
 @pytest.mark.parametrize("c2p,p2c,has_mask,compile_kernels", [
     (True, True, True, True), (True, False, False, False),
     (False, True, True, False)])
