@@ -123,7 +123,8 @@ def _cached_plan(key, build, what: str):
   compiled by XLA)."""
   p = _plans.get(key)
   if p is None:
-    rt.refuse_in_graph_capture(key[-1], f"building the kernels of {what}")
+    rt.refuse_in_graph_capture(f"cuda:{key[-1]}",
+                               f"building the kernels of {what}")
     with _lock:
       p = _plans.get(key)
       if p is None:
