@@ -305,6 +305,15 @@ class _Kernels:
     self.grids[name] = grid
     self.ir[name] = ttir  # last: marks the kernel ready
 
+  @staticmethod
+  def _new_device_constant(cache: dict, device, what: str, make):
+    """cache[device] = make(), for a constant made once per device by a
+    blocking host-to-device copy (complete before any stream reads it) --
+    which a CUDA graph capture cannot record, so it is refused there."""
+    rt.refuse_in_graph_capture(device, f"a first call's {what}")
+    c = cache[device] = make()
+    return c
+
   def _launch(self, name, *args, stream=None):
     """On `stream` (a raw CUDA stream handle: torch's current stream of the
     tensors' device, which the caller made current)."""
@@ -513,25 +522,24 @@ class DensePlan(_Kernels):
     """cu_seqlens of the dense batch (made once per device, read only, by
     a blocking host-to-device copy: complete before any stream reads it)."""
     cu = self._cu_cache.get(device)
-    if cu is None:
-      rt.refuse_in_graph_capture(device, "a first call's constants")
-      s = self.shape
-      r = torch.arange(s.b + 1, dtype=torch.int32)
-      cu = self._cu_cache[device] = ((r * s.sq).to(device),
-                                     (r * s.sk).to(device))
-    return cu
+    if cu is not None:
+      return cu
+    return self._new_device_constant(
+        self._cu_cache, device, "cu_seqlens",
+        lambda: tuple((torch.arange(self.shape.b + 1, dtype=torch.int32) *
+                       n).to(device) for n in (self.shape.sq, self.shape.sk)))
 
   def _zero_rows(self, device):
     """float32 zeros [hq, total_q], the dLSE of a call whose LSE got no
     gradient (made once per device, like `_cu`, by a blocking
     host-to-device copy; kernels only read it)."""
     z = self._zero_cache.get(device)
-    if z is None:
-      rt.refuse_in_graph_capture(device, "a first backward's constants")
-      s = self.shape
-      z = self._zero_cache[device] = torch.zeros(
-          (s.hq, s.b * s.sq), dtype=torch.float32).to(device)
-    return z
+    if z is not None:
+      return z
+    return self._new_device_constant(
+        self._zero_cache, device, "zero dLSE",
+        lambda: torch.zeros((self.shape.hq, self.shape.b * self.shape.sq),
+                            dtype=torch.float32).to(device))
 
   @staticmethod
   def _segs(q_seg, k_seg):
@@ -718,14 +726,14 @@ class DebertaPlan(_Kernels):
 
   def _device_consts(self, device):
     c = self._consts.get(device)
-    if c is None:
-      rt.refuse_in_graph_capture(device, "a first call's constants")
-      s = self.shape
-      # Blocking host-to-device copies: complete before any stream reads.
-      cu = (torch.arange(s.b + 1, dtype=torch.int32) * s.s).to(device)
-      slot = torch.as_tensor(self._slot_table, dtype=torch.int32).to(device)
-      c = self._consts[device] = (cu, slot)
-    return c
+    if c is not None:
+      return c
+    return self._new_device_constant(
+        self._consts, device, "cu_seqlens and slot table",
+        lambda: ((torch.arange(self.shape.b + 1, dtype=torch.int32) *
+                  self.shape.s).to(device),
+                 torch.as_tensor(self._slot_table,
+                                 dtype=torch.int32).to(device)))
 
   def _mask_args(self, mask):
     """The kernel's int32 token mask and used lengths (derived once per mask

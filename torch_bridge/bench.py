@@ -118,6 +118,8 @@ def overhead(batch=1, heads=16, seq=128, head_dim=128, dtype=None,
                             bridge_fwd_bwd))
     r.update(_timeline(qg, kg, vg, do, static, iters, device))
   if graphs:
+    if device.type != "cuda":
+      raise ValueError(f"--graphs needs a CUDA device; got {device}.")
     r.update(_graphs(q, k, v, do, causal, iters, device))
   if profile:
     _profile(bridge_fwd_bwd, profile, device)
