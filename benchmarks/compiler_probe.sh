@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Forward and backward tile candidates at one shape, each compiled both by
 # XLA and by pip Triton (FOLDAX_KERNEL_COMPILER, see pallas_kernels/
-# _pip_triton.py), through benchmarks.kernel_probe. On the device, from the
+# pip_triton.py), through benchmarks.kernel_probe. On the device, from the
 # repository root:
 #
 #   SHAPE=4,2048,16,64 FWD='128,64,8,3;128,128,8,3' \

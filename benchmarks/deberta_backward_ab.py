@@ -43,7 +43,7 @@ def main(argv=None) -> int:
 
   from benchmarks import _timing as T
   from jax_api.deberta.attention import _used_lengths
-  from pallas_kernels.deberta._geometry import geometry
+  from pallas_kernels.deberta.layout import geometry
   from pallas_kernels.deberta.backward import disentangled_backward
   from pallas_kernels.deberta.config import KernelConfig, blocks_for
   from pallas_kernels.deberta.forward import disentangled_forward

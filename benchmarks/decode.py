@@ -318,7 +318,7 @@ def accuracy(ctx) -> list[dict]:
   from jax_api._xla_decode import xla_decode
   from pallas_kernels.decode import (contiguous_as_pages, decode_v8,
                                      encode_v8, page_summaries, v8_scale_for)
-  from pallas_kernels.flash._tiles import LOG2E
+  from pallas_kernels.flash.tiles import LOG2E
   from pallas_kernels.reference import paged_decode_reference
   from pallas_kernels.reference.decode import gather_pages
   model = jax.jit(xla_decode, static_argnames=("depth", "v8_depth",

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.flash._tiles import MaskConfig
+from pallas_kernels.flash.tiles import MaskConfig
 from pallas_kernels.flash.config import BlockSizes, block_sizes_for
 from pallas_kernels.flash.forward import flash_forward
 
@@ -478,7 +478,7 @@ def ir_stats(configs, b=2, s=8192, h=16, d=128, causal=True,
   import warnings
   from jax._src.pallas.triton import gpu_info
   from jax._src.pallas.triton import pallas_call_registration as reg
-  from pallas_kernels._triton_ir import capture_triton_ir
+  from pallas_kernels.triton_ir import capture_triton_ir
   import triton
   from triton._C.libtriton import ir
   from triton.backends.compiler import GPUTarget

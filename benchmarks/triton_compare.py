@@ -27,8 +27,8 @@ import jax.numpy as jnp
 
 from benchmarks import _timing
 from benchmarks.kernel_probe import _parse_blocks
-from pallas_kernels._triton_ir import capture_triton_ir
-from pallas_kernels.flash._tiles import MaskConfig
+from pallas_kernels.triton_ir import capture_triton_ir
+from pallas_kernels.flash.tiles import MaskConfig
 from pallas_kernels.flash.config import BlockSizes
 from pallas_kernels.flash.forward import flash_forward
 
@@ -40,9 +40,9 @@ def _capture_ttir(fn, *args):
 
 def _pip_compile(ttir: str, name: str, bs: BlockSizes, target=None):
   """Compiles Triton IR text with the pip `triton` package, Triton's TTIR
-  stage included (`pallas_kernels._pip_triton.compile_ttir`; the runs of
+  stage included (`pallas_kernels.pip_triton.compile_ttir`; the runs of
   2026-12-03 predate that and skipped the stage)."""
-  from pallas_kernels._pip_triton import compile_ttir
+  from pallas_kernels.pip_triton import compile_ttir
   if target is not None:
     cc = divmod(int(target.arch), 10)
   else:
@@ -176,7 +176,7 @@ def main(argv=None):
       rec(kind="fastflash_config", blocks=tag, ms=_cuda_median(run))
     except Exception as e:  # noqa: BLE001
       rec(kind="fastflash_config", blocks=tag, error=repr(e)[:300])
-  from pallas_kernels._pip_triton import _ir_dir
+  from pallas_kernels.pip_triton import _ir_dir
   print("IR in", _ir_dir(), "(cubins in Triton's cache)")
 
 

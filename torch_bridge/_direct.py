@@ -56,8 +56,8 @@ import threading
 
 import torch
 
-from pallas_kernels._pip_triton import compile_ttir
-from pallas_kernels._triton_ir import capture_triton_ir, pointer_count
+from pallas_kernels.pip_triton import compile_ttir
+from pallas_kernels.triton_ir import capture_triton_ir, pointer_count
 from torch_bridge import _runtime as rt
 
 LN2 = 0.6931471805599453
@@ -429,9 +429,9 @@ class DensePlan(_Kernels):
   def _build(self, names):
     import jax
     import jax.numpy as jnp
-    from jax_api import dense as _dense
-    from pallas_kernels.flash import _preprocess
-    from pallas_kernels.flash.config import compiled_by
+    from pallas_kernels import device
+    from pallas_kernels.flash import core, preprocess
+    from pallas_kernels.settings import compiled_by
     from torch_bridge import _jax_side
     s, cfg = self.shape, self.cfg
     dt = _jax_dtype(s.dtype)
@@ -455,12 +455,14 @@ class DensePlan(_Kernels):
         fn = jax.jit(functools.partial(_jax_side._pallas_bwd, cfg))
         args = (q, kv, kv, sinks, qs, ks, None, None, q, lse, aux, q, lse)
       irs = {n: (ir, grid) for n, ir, grid in capture_triton_ir(fn, args)}
-      fwd_b, bwd_b, _ = _dense._kernel_plan(s.d, dt, False)
+      plan = core.kernel_plan(s.d, dt, interpret=False,
+                              compute_capability=device.gpu_capability())
+      fwd_b, bwd_b = plan.fwd, plan.bwd
     missing = [n for n in names if n not in irs]
     if missing:
       raise RuntimeError(f"torch_bridge: no Triton IR captured for {missing}")
     dqb = bwd_b.dq_blocks
-    pre = _preprocess._params(s.d)
+    pre = preprocess.launch_params(s.d)
     launch = {
         "fold_flash_forward": (fwd_b.num_warps, fwd_b.num_stages),
         "fold_flash_backward_preprocess": (pre.num_warps, pre.num_stages),
@@ -483,7 +485,7 @@ class DensePlan(_Kernels):
     and bits) instead of pip Triton's, where it can be found and its
     parameters match pip's (`torch_bridge._xla_cubin`); said once."""
     import jax
-    from pallas_kernels.flash.config import compiled_by
+    from pallas_kernels.settings import compiled_by
     from torch_bridge import _jax_side
     from torch_bridge import _xla_cubin
     if jax.default_backend() != "gpu":  # e.g. the CPU tests' stubbed sm_90
@@ -682,9 +684,9 @@ class DebertaPlan(_Kernels):
                compile_kernels: bool = True):
     import jax
     import jax.numpy as jnp
-    from pallas_kernels.deberta._geometry import geometry
+    from pallas_kernels.deberta.layout import geometry
     from pallas_kernels.deberta.config import blocks_for
-    from pallas_kernels.flash.config import compiled_by
+    from pallas_kernels.settings import compiled_by
     from torch_bridge import deberta as tdb
     super().__init__(compile_kernels)
     s = shape

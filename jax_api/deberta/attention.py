@@ -8,7 +8,6 @@ index placement; a fully masked query row gives 0 and zero gradients).
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Sequence
 
 import jax
@@ -17,9 +16,10 @@ import numpy as np
 
 from jax_api import _validation as val
 from jax_api._backend import _gpu_capability, resolve_backend
-from pallas_kernels._varlen import token_seq_ids
-from pallas_kernels.deberta import _dropout
-from pallas_kernels.deberta._geometry import geometry
+from pallas_kernels import settings
+from pallas_kernels.varlen import token_seq_ids
+from pallas_kernels.deberta import dropout_hash
+from pallas_kernels.deberta.layout import geometry
 from pallas_kernels.deberta.backward import disentangled_backward
 from pallas_kernels.deberta.config import (DebertaBlocks, KernelConfig,
                                            blocks_for, gather_orientation)
@@ -142,6 +142,7 @@ def _check_options(position_buckets, max_relative_positions, pos_att_type,
   return "c2p" in types, "p2c" in types, float(dropout_rate)
 
 
+@settings.accepts_config
 def disentangled_attention(
     q: jax.Array, k: jax.Array, v: jax.Array,
     pos_key: jax.Array | None = None, pos_query: jax.Array | None = None, *,
@@ -179,6 +180,8 @@ def disentangled_attention(
     backend: "auto", "pallas", "interpret" or "xla" (jax_api._backend).
       "xla" is a chunked pure-JAX path (one [batch, heads, 128, seq] score
       block at a time, autodiff backward, not bitwise deterministic on GPU).
+    config: a `jax_api.KernelSettings` (compiler, tiles); None: the
+      documented defaults (`pallas_kernels.settings`).
 
   Returns:
     out shaped like q, in q's dtype.
@@ -207,14 +210,14 @@ def disentangled_attention(
     if tuple(attention_mask.shape) != tuple(lead):
       raise ValueError(f"attention_mask must have shape [batch, seq] = "
                        f"{list(lead)}; got {tuple(attention_mask.shape)}.")
-  seed = (_dropout.seed_from_rng(dropout_rng) if rate > 0 else None)
+  seed = (dropout_hash.seed_from_rng(dropout_rng) if rate > 0 else None)
   be = resolve_backend(backend, kernel="disentangled_attention")
   # Full tiles without load masks: on for GPUs, off in interpret mode (half
-  # the traced loop bodies); FOLDAX_DEBERTA_SPLIT_TILES=1/0 forces it. The
-  # bits do not depend on it (same float operations either way).
-  split_env = os.environ.get("FOLDAX_DEBERTA_SPLIT_TILES", "")
-  split = (split_env == "1") if split_env in ("0", "1") else (
-      be != "interpret")
+  # the traced loop bodies); KernelSettings.deberta_split_tiles forces it.
+  # The bits do not depend on it (same float operations either way).
+  split = settings.current().deberta_split_tiles
+  if split is None:
+    split = be != "interpret"
   cfg = KernelConfig(geo, c2p, p2c, attention_mask is not None and not packed,
                      rate, d, split, gather_orientation())
 

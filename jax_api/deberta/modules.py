@@ -41,7 +41,7 @@ import jax.numpy as jnp
 
 from jax_api import _lean_ops as lean
 from jax_api.deberta.attention import disentangled_attention
-from pallas_kernels._varlen import token_seq_ids, token_seq_ids_clipped
+from pallas_kernels.varlen import token_seq_ids, token_seq_ids_clipped
 
 _ACTS = {
     "gelu": lean.gelu_erf,

@@ -73,7 +73,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.decode.config import MAX_DRAFT, SAMPLE_TILE
-from pallas_kernels.flash._tiles import LN2, LOG2E
+from pallas_kernels.flash.tiles import LN2, LOG2E
 
 # A row is recomputed against its exact maximum when M - R exceeds this.
 OVERFLOW_MARGIN = 64.0
