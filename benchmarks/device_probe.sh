@@ -4,7 +4,7 @@
 #
 #   bash benchmarks/device_probe.sh \
 #     "120:python3 -m benchmarks.kernel_probe --bwd-probe --out \$OUT/bwd_probe.json" \
-#     "90:python3 -m torch_bridge.bench --seq 128 4096 --phases"
+#     "90:python3 -m benchmarks.bridge_calls --seq 128 4096 --phases"
 #
 # The carried wheels (.whl/) are installed into /tmp/site first, as in
 # device_run.sh.

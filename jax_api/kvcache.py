@@ -67,7 +67,7 @@ ERR_MAX_LEN = 1    # a sequence would grow past max_len
 ERR_POOL = 2       # the page pool is exhausted
 ERR_NOT_EMPTY = 4  # prefill into a slot that already holds tokens
 ERR_BAD_SLOT = 8   # a slot id outside [0, batch) or named twice
-_ERR_NAMES = {ERR_MAX_LEN: "append past max_len", ERR_POOL: "page pool "
+ERROR_NAMES = {ERR_MAX_LEN: "append past max_len", ERR_POOL: "page pool "
               "exhausted", ERR_NOT_EMPTY: "prefill into a non-empty slot",
               ERR_BAD_SLOT: "invalid or repeated slot id"}
 
@@ -267,7 +267,7 @@ class FoldKVCache:
       return self
     err = int(self.error)
     if err:
-      what = [n for bit, n in _ERR_NAMES.items() if err & bit]
+      what = [n for bit, n in ERROR_NAMES.items() if err & bit]
       raise ValueError(f"FoldKVCache.error = {err}: an operation under "
                        f"jax.jit was refused ({'; '.join(what)}); those "
                        "operations left the cache unchanged.")

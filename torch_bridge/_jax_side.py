@@ -53,6 +53,15 @@ class AttnConfig:
     return (self.left, self.right)
 
 
+def attn_config(backend, causal, left, right, softcap, scale, mq, mk,
+                varlen) -> AttnConfig:
+  """AttnConfig from the custom ops' static arguments."""
+  return AttnConfig(backend=backend, varlen=varlen, causal=bool(causal),
+                    left=int(left), right=int(right), softcap=float(softcap),
+                    scale=float(scale), max_seqlen_q=int(mq),
+                    max_seqlen_k=int(mk))
+
+
 # ----------------------------------------------------------------------------
 # XLA path
 # ----------------------------------------------------------------------------

@@ -33,14 +33,6 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 # The two custom ops
 # ----------------------------------------------------------------------------
 
-def _cfg(backend, causal, left, right, softcap, scale, mq, mk, varlen):
-  from torch_bridge._jax_side import AttnConfig
-  return AttnConfig(backend=backend, varlen=varlen, causal=bool(causal),
-                    left=int(left), right=int(right), softcap=float(softcap),
-                    scale=float(scale), max_seqlen_q=int(mq),
-                    max_seqlen_k=int(mk))
-
-
 class _X64:
   """`jax.enable_x64` around float64 calls (the XLA path's gradcheck)."""
 
@@ -82,9 +74,9 @@ class _Plan:
   __slots__ = ("fwd", "bwd", "target", "x64", "backend")
 
   def __init__(self, static, device, dtype):
-    from torch_bridge._jax_side import backward_fn, forward_fn
-    backend, causal, left, right, softcap, scale, mq, mk, varlen = static
-    cfg = _cfg(backend, causal, left, right, softcap, scale, mq, mk, varlen)
+    from torch_bridge._jax_side import attn_config, backward_fn, forward_fn
+    cfg = attn_config(*static)
+    backend = static[0]
     self.fwd = forward_fn(cfg)
     self.bwd = backward_fn(cfg)
     self.target = rt.target_for(device, dtype, backend)

@@ -36,7 +36,7 @@ backward, never stored.
 
 Direct launch: on CUDA, an inference forward (no dropout, not packed)
 launches the Pallas kernels' Triton IR on torch's stream instead
-(`torch_bridge._direct.DebertaPlan`; FOLDAX_TORCH_LAUNCH=jax turns it off).
+(`torch_bridge._direct_deberta.DebertaPlan`; FOLDAX_TORCH_LAUNCH=jax turns it off).
 
 Backward: the JAX VJP of `disentangled_attention` (jitted, per static
 configuration) recomputes the forward it differentiates: one extra forward
@@ -49,15 +49,16 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import functools
-import os
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from torch_bridge import _direct
+from torch_bridge import _direct_deberta
+from torch_bridge._deberta_jax import (DebertaConfig, _backward_fn,  # noqa: F401
+                                      _forward_fn)
 from torch_bridge import _runtime as rt
+from torch_bridge import settings
 from torch_bridge.attention import resolve_backend
 
 _PACKED: contextvars.ContextVar = contextvars.ContextVar("foldax_packed",
@@ -77,53 +78,6 @@ def packed(cu_seqlens: Tensor, max_seqlen: int | None = None):
     _PACKED.reset(token)
 
 
-# ----------------------------------------------------------------------------
-# JAX side
-# ----------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class DebertaConfig:
-  backend: str
-  position_buckets: int
-  max_relative_positions: int
-  c2p: bool
-  p2c: bool
-  dropout_rate: float
-  max_seqlen: int  # packed only (0 otherwise)
-
-
-def _jax_attention(cfg: DebertaConfig, q, k, v, pk, pq, mask, cu, seed):
-  import jax
-  from jax_api.deberta import disentangled_attention
-  types = tuple(t for t, on in (("c2p", cfg.c2p), ("p2c", cfg.p2c)) if on)
-  rng = None if seed is None else jax.random.key(seed)
-  return disentangled_attention(
-      q, k, v, pk, pq, attention_mask=mask, cu_seqlens=cu,
-      max_seqlen=cfg.max_seqlen or None,
-      position_buckets=cfg.position_buckets,
-      max_relative_positions=cfg.max_relative_positions, pos_att_type=types,
-      dropout_rate=cfg.dropout_rate, dropout_rng=rng, backend=cfg.backend)
-
-
-@functools.cache
-def _forward_fn(cfg: DebertaConfig):
-  import jax
-  return jax.jit(functools.partial(_jax_attention, cfg))
-
-
-@functools.cache
-def _backward_fn(cfg: DebertaConfig):
-  import jax
-
-  def bwd(q, k, v, pk, pq, mask, cu, seed, dout):
-    f = lambda q, k, v, pk, pq: _jax_attention(cfg, q, k, v, pk, pq, mask,
-                                               cu, seed)
-    _, vjp = jax.vjp(f, q, k, v, pk, pq)
-    return vjp(dout.astype(q.dtype))
-
-  return jax.jit(bwd)
-
-
 def _static(backend, position_buckets, max_relative_positions, c2p, p2c,
             dropout_rate, max_seqlen):
   return DebertaConfig(backend, int(position_buckets),
@@ -132,8 +86,8 @@ def _static(backend, position_buckets, max_relative_positions, c2p, p2c,
 
 
 def _fwd_impl(q, k, v, pk, pq, mask, cu, seed, cfg: DebertaConfig):
-  dp = (_direct.deberta_plan(cfg, q, pk, pq, mask)
-        if _direct.deberta_eligible(cfg, q, cu, seed) else None)
+  dp = (_direct_deberta.deberta_plan(cfg, q, pk, pq, mask)
+        if _direct_deberta.deberta_eligible(cfg, q, cu, seed) else None)
   if dp is not None:
     return dp.forward(q, k, v, pk, pq, mask)
   target = rt.target_for(q.device, q.dtype, cfg.backend)
@@ -411,7 +365,7 @@ def _fused_projections(attn, hidden, rel):
   Which GEMM projects a token may change its projections' last bits (cuBLAS
   picks kernels by shape for the other layers alike); the attention kernels'
   bits do not depend on it."""
-  if (os.environ.get("FOLDAX_TORCH_FUSED_PROJECTIONS", "1") == "0" or
+  if (not settings.fused_projections() or
       hidden.numel() // hidden.shape[-1] > FUSED_PROJECTIONS_MAX_TOKENS):
     return None
   mods = (attn.query_proj, attn.key_proj, attn.value_proj)

@@ -139,8 +139,8 @@ class FoldKVCache:
     err = int(self.jax.error)
     if err:
       self.jax = self.jax._replace(error=jnp.zeros((), jnp.int32))
-      from jax_api.kvcache import _ERR_NAMES
-      what = [n for bit, n in _ERR_NAMES.items() if err & bit]
+      from jax_api.kvcache import ERROR_NAMES
+      what = [n for bit, n in ERROR_NAMES.items() if err & bit]
       raise ValueError(f"FoldKVCache refused an operation ({'; '.join(what)});"
                        " the cache was left unchanged.")
     return self
