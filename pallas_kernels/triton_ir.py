@@ -3,7 +3,7 @@
 Used by the torch bridge's direct launch (`torch_bridge._direct`, which
 compiles the IR with pip Triton) and by the benchmarks that compare
 compilers or count instructions (`benchmarks.triton_compare`,
-`benchmarks.kernel_probe --ir-stats`).
+the tile probe, since removed: see git history).
 """
 
 from __future__ import annotations

@@ -89,7 +89,7 @@ class DebertaBlocks:
 
 
 # Hopper (sm_90). The 16-bit forward entry comes from an H200 sweep of the
-# whole DeBERTa-v3-base encoder (`python -m benchmarks.deberta_sweep`,
+# whole DeBERTa-v3-base encoder (a sweep since removed, in git history:
 # benchmarks/results/h200/deberta-sweep-2026-12-03/): 64x128 with 4 warps ran
 # B16 L512 in 7.31 ms against 8.07 ms for the earlier 128x64 with 8 warps
 # (ragged padding: 7.02 against 7.97 ms); the table GEMM's 128x128/8 warps

@@ -26,7 +26,7 @@ passes seq_lens computed on the device from the mask: a row's length when
 its valid tokens are a prefix, MASKED_ROW otherwise. Not reading the mask
 saves 8% of a layer (both position tables and this kernel) at B16 L512 and
 21% at B4 L2048 (DeBERTa-v3-base shapes, H200, pip Triton's compile;
-`benchmarks.deberta_direct_sweep --without-mask`).
+a tile sweep of the direct launch without the mask, since removed: see git history).
 
 Score of (i, j), in base 2:
   (q_i . k_j + c2p[i, slot(i - j)] + p2c[j, slot(i - j)]) * log2(e) / c

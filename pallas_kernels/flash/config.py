@@ -85,7 +85,7 @@ class BlockSizes:
 
 
 # (compute capability major, head_dim bucket, itemsize, mode) -> BlockSizes.
-# Measured on the H200 (sm_90) with benchmarks/kernel_probe.py; the
+# Measured on the H200 (sm_90) with a tile probe (benchmarks/kernel_probe.py, in git history); the
 # FOLDAX_BLOCK_TABLE override file takes the same keys. Mode "bwd_dq" is the
 # recompute backward's dQ kernel; without an entry it uses the "bwd" blocks.
 _TABLE: dict[tuple[int, int, int, str], BlockSizes] = {
