@@ -88,17 +88,29 @@ def _check(name: str, value, allowed) -> None:
     raise ValueError(f"{name} must be one of {allowed}; got {value!r}.")
 
 
-def _env_choice(var: str, default, allowed):
-  value = os.environ.get(var, "") or default
+def _env_choice(env: dict, var: str, default, allowed):
+  value = env[var] or default
   if value is not None and value not in allowed:
     quoted = ", ".join(repr(a) for a in allowed)
     raise ValueError(f"{var} must be one of {quoted}; got {value!r}.")
   return value
 
 
+_VARIABLES = ("FOLDAX_KERNEL_COMPILER", "FOLDAX_DQ_MODE", "FOLDAX_BLOCK_TABLE",
+              "FOLDAX_DECODE_BLOCKS", "FOLDAX_DEBERTA_BLOCKS",
+              "FOLDAX_DEBERTA_GATHER", "FOLDAX_DEBERTA_SPLIT_TILES")
+
+
 def from_environment() -> KernelSettings:
-  """The defaults: KernelSettings from the FOLDAX_* variables above."""
-  decode = os.environ.get("FOLDAX_DECODE_BLOCKS")
+  """The defaults: KernelSettings from the FOLDAX_* variables above (one
+  value per combination of their values, so a call costs seven lookups)."""
+  return _settings_for(tuple(os.environ.get(v) for v in _VARIABLES))
+
+
+@functools.lru_cache(maxsize=64)
+def _settings_for(values: tuple) -> KernelSettings:
+  env = dict(zip(_VARIABLES, values))
+  decode = env["FOLDAX_DECODE_BLOCKS"]
   decode_blocks = None
   if decode:
     try:
@@ -106,16 +118,17 @@ def from_environment() -> KernelSettings:
     except ValueError:
       raise ValueError("FOLDAX_DECODE_BLOCKS must be 'block_k,num_warps,"
                        f"num_stages'; got {decode!r}.") from None
-  split = os.environ.get("FOLDAX_DEBERTA_SPLIT_TILES", "")
   return KernelSettings(
-      compiler=_env_choice("FOLDAX_KERNEL_COMPILER", DEFAULT_COMPILER,
+      compiler=_env_choice(env, "FOLDAX_KERNEL_COMPILER", DEFAULT_COMPILER,
                            _COMPILERS),
-      dq_mode=_env_choice("FOLDAX_DQ_MODE", DEFAULT_DQ_MODE, _DQ_MODES),
-      block_table=os.environ.get("FOLDAX_BLOCK_TABLE") or None,
+      dq_mode=_env_choice(env, "FOLDAX_DQ_MODE", DEFAULT_DQ_MODE, _DQ_MODES),
+      block_table=env["FOLDAX_BLOCK_TABLE"] or None,
       decode_blocks=decode_blocks,
-      deberta_blocks=os.environ.get("FOLDAX_DEBERTA_BLOCKS") or None,
-      deberta_gather=_env_choice("FOLDAX_DEBERTA_GATHER", None, _GATHERS),
-      deberta_split_tiles={"1": True, "0": False}.get(split))
+      deberta_blocks=env["FOLDAX_DEBERTA_BLOCKS"] or None,
+      deberta_gather=_env_choice(env, "FOLDAX_DEBERTA_GATHER", None,
+                                 _GATHERS),
+      deberta_split_tiles={"1": True, "0": False}.get(
+          env["FOLDAX_DEBERTA_SPLIT_TILES"] or ""))
 
 
 _active: contextvars.ContextVar[KernelSettings | None] = (
