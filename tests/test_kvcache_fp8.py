@@ -250,3 +250,34 @@ def test_fp8_validation_and_refused_appends():
   tok = _rand(rng, (2, 1, 16))
   out = step(cache, tok, tok)
   np.testing.assert_array_equal(out.lengths, [31, 8])
+
+
+def test_torch_bridge_fp8_cache_matches_the_jax_cache():
+  torch = pytest.importorskip("torch")
+  import torch_bridge as tb
+  with pytest.raises(ValueError, match="kv_dtype"):
+    tb.FoldKVCache.create(1, 2, 1, 16, 32, dtype=torch.float32,
+                          device="cpu", kv_dtype=torch.int8)
+  torch.manual_seed(0)
+  hq, hkv, d = 2, 1, 16
+  tc = tb.FoldKVCache.create(2, hq, hkv, d, 48, page_size=S,
+                             dtype=torch.float32, device="cpu",
+                             kv_dtype=torch.float8_e4m3fn)
+  assert tc.jax.k_pages.dtype == jnp.dtype(E4M3)
+  cu = torch.tensor([0, 20, 27], dtype=torch.int32)
+  q, k, v = (torch.randn(27, hq, d), torch.randn(27, hkv, d),
+             torch.randn(27, hkv, d))
+  tc.prefill(q, k, v, cu, max_seqlen=20)
+  jc = FoldKVCache.create(2, hq, hkv, d, 48, page_size=S, dtype=jnp.float32,
+                          kv_dtype=E4M3)
+  j = lambda t: jnp.asarray(t.numpy())  # noqa: E731
+  _, jc = jc.prefill(j(q), j(k), j(v), j(cu), backend="xla")
+  qs, ks, vs = (torch.randn(2, hq, d), torch.randn(2, hkv, d),
+                torch.randn(2, hkv, d))
+  out = tb.fold_attn_with_kvcache(qs, tc, ks, vs)
+  ref, jc = fold_attn_with_kvcache(j(qs), jc, j(ks), j(vs),
+                                   backend=tc.target.backend)
+  for x, y in zip(_seq_pages(tc.jax, 0), _seq_pages(jc, 0)):
+    np.testing.assert_array_equal(x.view(np.uint8), y.view(np.uint8))
+  np.testing.assert_allclose(out.numpy(), np.asarray(ref), rtol=1e-5,
+                             atol=1e-6)
