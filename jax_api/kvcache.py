@@ -25,6 +25,17 @@ Storage
     v_scale the per-cache power-of-two scale (fixed by the first write).
   depth: per-page key summaries (kmax, kmin, ksum, ksumsq) drive the page
     cut and its mass estimate (see `pallas_kernels.decode.kernel`).
+  kv_dtype=float8_e4m3fn / float8_e5m2: k_pages and v_pages hold FP8 entries
+    and k_scales, v_scales float32 [num_pages, n_kv_heads] one power-of-two
+    scale per (page, KV head), computed from that page's own filled tokens
+    when it is written (`pallas_kernels.decode.fp8` has the rule). Prefill
+    quantises each page once; an append that needs a larger scale re-quantises
+    the page's stored entries to it (entry * old / new, rounded to FP8) and
+    rewrites the whole page (zeros past the new token), so a page's bits
+    depend only on its sequence's tokens and the order they were written in,
+    never on the batch or the pool. anchors then hold the dequantised first
+    keys (in `dtype`). Non-finite values are stored as NaN and do not enter
+    any scale.
 
 Errors and `jax.jit`
 --------------------
@@ -61,6 +72,9 @@ from jax_api.dense import fold_attn_varlen_func
 from pallas_kernels.decode import (DEFAULT_V8_DEPTH, MAX_DRAFT, encode_v8,
                                    head_dim_pad, page_summaries, paged_decode,
                                    v8_scale_for)
+from jax_api._kvcache_fp8 import append_one_fp8 as _append_one_fp8
+from pallas_kernels.decode.fp8 import (FP8_DTYPES, dequantise,
+                                       dequantise_pages, quantise_pages)
 from pallas_kernels.decode.kernel import V8_RES_SHIFT
 
 ERR_MAX_LEN = 1    # a sequence would grow past max_len
@@ -96,6 +110,11 @@ class CacheConfig:
   v8: bool
   chunk_tokens: int
   v8_depth: int
+  kv_dtype: str | None = None  # an FP8 dtype name, or None (pages in dtype)
+
+  @property
+  def fp8(self) -> bool:
+    return self.kv_dtype is not None
 
   @property
   def d_pad(self) -> int:
@@ -123,12 +142,15 @@ class FoldKVCache:
   """One layer's paged KV cache (a pytree; see the module docstring)."""
 
   _FIELDS = ("k_pages", "v_pages", "v_res", "v_scale", "summaries", "anchors",
-             "block_table", "lengths_", "free_pages", "n_free", "error")
+             "block_table", "lengths_", "free_pages", "n_free", "error",
+             "k_scales", "v_scales")
 
   def __init__(self, *, config: CacheConfig, k_pages, v_pages, v_res,
                v_scale, summaries, anchors, block_table, lengths_, free_pages,
-               n_free, error):
+               n_free, error, k_scales=None, v_scales=None):
     self.config = config
+    self.k_scales = k_scales
+    self.v_scales = v_scales
     self.anchors = anchors
     self.k_pages = k_pages
     self.v_pages = v_pages
@@ -159,7 +181,7 @@ class FoldKVCache:
     return (f"FoldKVCache(batch={c.batch}, n_heads={c.n_heads}, n_kv_heads="
             f"{c.n_kv_heads}, head_dim={c.head_dim}, max_len={c.max_len}, "
             f"page_size={c.page_size}, num_pages={c.num_pages}, dtype="
-            f"{c.dtype}, depth={c.depth}, v8={c.v8})")
+            f"{c.dtype}, depth={c.depth}, v8={c.v8}, kv_dtype={c.kv_dtype})")
 
   # -- construction ------------------------------------------------------------
   @classmethod
@@ -167,7 +189,8 @@ class FoldKVCache:
              max_len: int, *, page_size: int = 256, dtype=jnp.bfloat16,
              depth: int | None = None, v8: bool = False,
              num_pages: int | None = None, chunk_tokens: int | None = None,
-             v8_depth: int = DEFAULT_V8_DEPTH) -> "FoldKVCache":
+             v8_depth: int = DEFAULT_V8_DEPTH,
+             kv_dtype=None) -> "FoldKVCache":
     """An empty cache of `batch` slots.
 
     Args:
@@ -190,6 +213,11 @@ class FoldKVCache:
       v8_depth: with v8, keys whose weight is below 2^-v8_depth of the
         reference are decoded from the coarse plane only (tiles where no
         weight reaches it never read the residual plane).
+      kv_dtype: None (K/V pages in `dtype`), jnp.float8_e4m3fn or
+        jnp.float8_e5m2: K and V pages in FP8 with a float32 scale per (page,
+        KV head) (about half the bytes of bf16; see the module docstring).
+        Decoding dequantises in registers and computes in `dtype`. Not
+        combined with v8 or depth.
     """
     batch = _check_int("batch", batch)
     n_heads = _check_int("n_heads", n_heads)
@@ -225,9 +253,21 @@ class FoldKVCache:
       raise ValueError(f"chunk_tokens ({chunk_tokens}) must be a multiple of "
                        f"page_size ({page_size}).")
     v8_depth = _check_int("v8_depth", v8_depth, lo=0)
+    kv_name = None
+    if kv_dtype is not None:
+      try:
+        kv_name = jnp.dtype(kv_dtype).name
+      except TypeError:
+        kv_name = repr(kv_dtype)
+      if kv_name not in FP8_DTYPES:
+        raise ValueError(f"kv_dtype {kv_dtype!r} is not supported; use None, "
+                         "jnp.float8_e4m3fn or jnp.float8_e5m2.")
+      if v8 or depth is not None:
+        raise ValueError(f"kv_dtype={kv_name} cannot be combined with v8 or "
+                         "depth (use kv_dtype=None for those).")
     cfg = CacheConfig(batch, n_heads, n_kv_heads, head_dim, max_len,
                       page_size, num_pages, dt.name, depth, bool(v8),
-                      chunk_tokens, v8_depth)
+                      chunk_tokens, v8_depth, kv_name)
     shape = (num_pages, page_size, n_kv_heads, cfg.d_pad)
     e4m3 = jnp.float8_e4m3fn
     summ = None
@@ -235,10 +275,16 @@ class FoldKVCache:
       sshape = (num_pages, n_kv_heads, cfg.d_pad)
       summ = (jnp.zeros(sshape, dt), jnp.zeros(sshape, dt),
               jnp.zeros(sshape, jnp.float32), jnp.zeros(sshape, jnp.float32))
+    kv_dt = jnp.dtype(kv_name) if kv_name else dt
+    # Two buffers (not one shared) so that the cache can be donated.
+    scales = (lambda: jnp.zeros((num_pages, n_kv_heads), jnp.float32)
+              if kv_name else None)
     return cls(
         config=cfg,
-        k_pages=jnp.zeros(shape, dt),
-        v_pages=jnp.zeros(shape, e4m3 if v8 else dt),
+        k_scales=scales(),
+        v_scales=scales(),
+        k_pages=jnp.zeros(shape, kv_dt),
+        v_pages=jnp.zeros(shape, e4m3 if v8 else kv_dt),
         v_res=jnp.zeros(shape, e4m3) if v8 else None,
         v_scale=jnp.zeros((), jnp.float32) if v8 else None,
         summaries=summ,
@@ -505,8 +551,11 @@ def _append_one(cache: FoldKVCache, k, v, act):
   page_w = jnp.where(act, page, p)  # out of range: dropped
   off = pos % s
   kp = _pad_kv(cfg, k).astype(cache.dtype)
-  vc, vr, scale = _encode_values(cache, _pad_kv(cfg, v), act[:, None, None])
   slot_w = jnp.where(need, rows, cfg.batch)  # a page's first key: its anchor
+  if cfg.fp8:
+    return _append_one_fp8(cache, kp, _pad_kv(cfg, v).astype(cache.dtype),
+                           act, need, page, page_w, off, lp, bt, need_i)
+  vc, vr, scale = _encode_values(cache, _pad_kv(cfg, v), act[:, None, None])
   upd = dict(
       k_pages=cache.k_pages.at[page_w, off].set(kp, mode="drop"),
       v_pages=cache.v_pages.at[page_w, off].set(vc, mode="drop"),
@@ -572,12 +621,25 @@ def _prefill_core(cache: FoldKVCache, k, v, cu, seq_ids, *, mp: int):
   tok = jnp.clip(cu[:-1, None, None] + rel, 0, k.shape[0] - 1)
   kd = jnp.where(tmask, _pad_kv(cfg, k)[tok], 0).astype(cache.dtype)
   vd = jnp.where(tmask, _pad_kv(cfg, v)[tok], 0)
-  vc, vr, scale = _encode_values(cache, vd,
-                                 tmask & has[..., None, None, None])
   shp = (n_seq * mp, s, cfg.n_kv_heads, cfg.d_pad)
-  upd = dict(
-      k_pages=cache.k_pages.at[pages_w].set(kd.reshape(shp), mode="drop"),
-      v_pages=cache.v_pages.at[pages_w].set(vc.reshape(shp), mode="drop"))
+  if cfg.fp8:
+    # Each page quantised from its own filled tokens (in the compute dtype).
+    kv_dt = jnp.dtype(cfg.kv_dtype)
+    counts = jnp.clip(seq_len[:, None] - pidx * s, 0, s).reshape(-1)
+    kq, ks = quantise_pages(kd.reshape(shp), counts, kv_dt)
+    vq, vs = quantise_pages(vd.astype(cache.dtype).reshape(shp), counts,
+                            kv_dt)
+    upd = dict(k_pages=cache.k_pages.at[pages_w].set(kq, mode="drop"),
+               v_pages=cache.v_pages.at[pages_w].set(vq, mode="drop"),
+               k_scales=cache.k_scales.at[pages_w].set(ks, mode="drop"),
+               v_scales=cache.v_scales.at[pages_w].set(vs, mode="drop"))
+    kd = dequantise(kq, ks[:, None, :, None], cache.dtype).reshape(kd.shape)
+  else:
+    vc, vr, scale = _encode_values(cache, vd,
+                                   tmask & has[..., None, None, None])
+    upd = dict(
+        k_pages=cache.k_pages.at[pages_w].set(kd.reshape(shp), mode="drop"),
+        v_pages=cache.v_pages.at[pages_w].set(vc.reshape(shp), mode="drop"))
   if cfg.v8:
     upd["v_res"] = cache.v_res.at[pages_w].set(vr.reshape(shp), mode="drop")
     upd["v_scale"] = jnp.where(ok, scale, cache.v_scale)
@@ -653,8 +715,15 @@ def _decode(cache: FoldKVCache, q, *, softmax_scale, sinks, window_size,
             v_scale=cache.v_scale, summaries=cache.summaries,
             v8_depth=cfg.v8_depth)
   if be == "xla":
-    return _xla_decode_jit(q, cache.k_pages, cache.v_pages, cache.block_table,
-                           cache.lengths_, **kw)
+    kpg, vpg = cache.k_pages, cache.v_pages
+    if cfg.fp8:
+      # The fallback dequantises the pool (exact: power-of-two scales).
+      kpg = dequantise_pages(kpg, cache.k_scales, cache.dtype)
+      vpg = dequantise_pages(vpg, cache.v_scales, cache.dtype)
+    return _xla_decode_jit(q, kpg, vpg, cache.block_table, cache.lengths_,
+                           **kw)
+  if cfg.fp8:
+    kw.update(k_scales=cache.k_scales, v_scales=cache.v_scales)
   interpret = be == "interpret"
   return paged_decode(q, cache.k_pages, cache.v_pages, cache.block_table,
                       cache.lengths_, anchors=cache.anchors,

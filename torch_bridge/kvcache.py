@@ -36,6 +36,8 @@ from torch_bridge.attention import resolve_backend
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16",
            torch.float32: "float32"}
+_KV_DTYPES = {torch.float8_e4m3fn: "float8_e4m3fn",
+              torch.float8_e5m2: "float8_e5m2"}
 
 
 @functools.cache
@@ -100,13 +102,19 @@ class FoldKVCache:
              dtype: torch.dtype = torch.bfloat16, device=None,
              depth: int | None = None, v8: bool = False,
              num_pages: int | None = None, chunk_tokens: int | None = None,
-             raise_errors: bool = True) -> "FoldKVCache":
+             raise_errors: bool = True,
+             kv_dtype: torch.dtype | None = None) -> "FoldKVCache":
     """An empty cache on `device` (torch device; default CUDA if available);
-    other arguments as `jax_api.kvcache.FoldKVCache.create`."""
+    kv_dtype: None, torch.float8_e4m3fn or torch.float8_e5m2 (FP8 K/V pages
+    with per-(page, KV head) scales); other arguments as
+    `jax_api.kvcache.FoldKVCache.create`."""
     import jax
     from jax_api import kvcache as jkv
     if dtype not in _DTYPES:
       raise TypeError(f"dtype must be one of {list(_DTYPES)}; got {dtype}.")
+    if kv_dtype is not None and kv_dtype not in _KV_DTYPES:
+      raise ValueError(f"kv_dtype must be None or one of {list(_KV_DTYPES)}"
+                       f"; got {kv_dtype!r}.")
     if device is None:
       device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
@@ -117,7 +125,8 @@ class FoldKVCache:
                                  max_len, page_size=page_size,
                                  dtype=_DTYPES[dtype], depth=depth, v8=v8,
                                  num_pages=num_pages,
-                                 chunk_tokens=chunk_tokens)
+                                 chunk_tokens=chunk_tokens,
+                                 kv_dtype=_KV_DTYPES.get(kv_dtype))
     c = jax.device_put(c, target.jax_device)
     return cls(c, target, raise_errors)
 
