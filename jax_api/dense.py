@@ -178,6 +178,10 @@ def fold_attn_varlen_func(q: jax.Array, k: jax.Array, v: jax.Array,
     raise ValueError("cu_seqlens_q and cu_seqlens_k must describe the same "
                      f"number of sequences; got shapes {cu_seqlens_q.shape} "
                      f"and {cu_seqlens_k.shape}.")
+  # Checked on every backend (the XLA path does not need them, but a wrong
+  # one is the caller's error all the same).
+  mq = val.concrete_max_seqlen("max_seqlen_q", cu_seqlens_q, max_seqlen_q)
+  mk = val.concrete_max_seqlen("max_seqlen_k", cu_seqlens_k, max_seqlen_k)
   cu_q = jnp.asarray(cu_seqlens_q, jnp.int32)
   cu_k = jnp.asarray(cu_seqlens_k, jnp.int32)
   be = resolve_backend(backend, kernel="fold_attn_varlen_func")
@@ -188,8 +192,6 @@ def fold_attn_varlen_func(q: jax.Array, k: jax.Array, v: jax.Array,
         window_size=window, softcap=softcap, softmax_scale=scale)
     out, lse = out[0], lse[0]
   else:
-    mq = val.concrete_max_seqlen("max_seqlen_q", cu_seqlens_q, max_seqlen_q)
-    mk = val.concrete_max_seqlen("max_seqlen_k", cu_seqlens_k, max_seqlen_k)
     interpret = be == "interpret"
     cfg = MaskConfig.make(causal=bool(causal), window_size=window,
                           has_segments=False, softcap=softcap, scale=scale)

@@ -66,6 +66,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_api import _validation as val
+from jax_api.contract import common as _ck
+from jax_api.contract import kvcache as _ckv
 from jax_api._backend import _gpu_capability, resolve_backend
 from jax_api._xla_decode import xla_decode
 from jax_api.dense import fold_attn_varlen_func
@@ -129,12 +131,7 @@ class CacheConfig:
     return self.depth is not None
 
 
-def _check_int(name, x, lo=1):
-  if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
-    raise TypeError(f"{name} must be a Python int; got {x!r}.")
-  if x < lo:
-    raise ValueError(f"{name} must be >= {lo}; got {x}.")
-  return int(x)
+_check_int = _ck.check_int
 
 
 @jax.tree_util.register_pytree_node_class
@@ -365,12 +362,12 @@ class FoldKVCache:
     """
     cfg = self.config
     val.check_qkv(q, k, v, packed=True)
-    if (q.shape[1], q.shape[2]) != (cfg.n_heads, cfg.head_dim) or \
-        k.shape[1] != cfg.n_kv_heads:
-      raise ValueError(
-          f"prefill expects q [total, {cfg.n_heads}, {cfg.head_dim}] and k, v "
-          f"[total, {cfg.n_kv_heads}, {cfg.head_dim}]; got q "
-          f"{tuple(q.shape)}, k {tuple(k.shape)}.")
+    _ckv.check_prefill_heads(q.shape, k.shape, n_heads=cfg.n_heads,
+                             n_kv_heads=cfg.n_kv_heads,
+                             head_dim=cfg.head_dim)
+    if jnp.dtype(k.dtype) != self.dtype:
+      raise TypeError(f"k has dtype {k.dtype}; the cache stores "
+                      f"{self.dtype} (they must match: cast k, v first).")
     val.check_cu_seqlens("cu_seqlens", cu_seqlens, k.shape[0])
     cu = jnp.asarray(cu_seqlens, jnp.int32)
     n_seq = cu.shape[0] - 1
@@ -381,9 +378,7 @@ class FoldKVCache:
       seq_ids = jnp.arange(n_seq, dtype=jnp.int32)
     else:
       val.check_array("seq_ids", seq_ids, ndim=1, layout="[num_seqs]")
-      if seq_ids.shape[0] != n_seq:
-        raise ValueError(f"seq_ids must have shape [num_seqs] = [{n_seq}]; "
-                         f"got {tuple(seq_ids.shape)}.")
+      _ckv.check_seq_ids("seq_ids", seq_ids.shape, seq_ids.dtype, n_seq)
       seq_ids = jnp.asarray(seq_ids, jnp.int32)
     mq = val.concrete_max_seqlen("max_seqlen", cu_seqlens, max_seqlen)
     if _concrete(cu, seq_ids, self.lengths_, self.n_free):
@@ -462,24 +457,17 @@ def _check_append(cfg: CacheConfig, k, v, active):
   for name, x in (("k", k), ("v", v)):
     val.check_array(name, x, ndim=(3, 4),
                     layout="[batch, (n,) n_kv_heads, head_dim]")
-    val.check_float_dtype(name, x)
-  if k.shape != v.shape:
-    raise ValueError(f"k and v must have the same shape; got k "
-                     f"{tuple(k.shape)} and v {tuple(v.shape)}.")
+  if active is not None:
+    val.check_array("active", active, ndim=1, layout="[batch]")
+  _ckv.check_append(k.shape, v.shape, k.dtype, v.dtype, batch=cfg.batch,
+                    n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+                    cache_dtype=cfg.dtype,
+                    active_shape=None if active is None else active.shape)
   if k.ndim == 3:
     k, v = k[:, None], v[:, None]
-  want = (cfg.batch, cfg.n_kv_heads, cfg.head_dim)
-  if (k.shape[0], k.shape[2], k.shape[3]) != want:
-    raise ValueError(f"k must have shape [batch, (n,) n_kv_heads, head_dim] = "
-                     f"[{want[0]}, (n,) {want[1]}, {want[2]}]; got "
-                     f"{tuple(k.shape)}.")
   if active is None:
     active = jnp.ones((cfg.batch,), bool)
   else:
-    val.check_array("active", active, ndim=1, layout="[batch]")
-    if active.shape[0] != cfg.batch:
-      raise ValueError(f"active must have shape [batch] = [{cfg.batch}]; got "
-                       f"{tuple(active.shape)}.")
     active = jnp.asarray(active).astype(bool)
   return k, v, active
 
@@ -690,25 +678,14 @@ def _decode(cache: FoldKVCache, q, *, softmax_scale, sinks, window_size,
   cfg = cache.config
   val.check_array("q", q, ndim=(3, 4), layout="[batch, (q_len,) n_heads, "
                   "head_dim]")
-  val.check_float_dtype("q", q)
-  if jnp.dtype(q.dtype) != cache.dtype:
-    raise TypeError(f"q has dtype {q.dtype}; the cache stores "
-                    f"{cache.dtype} (they must match).")
-  want = (cfg.batch, cfg.n_heads, cfg.head_dim)
-  got = (q.shape[0], q.shape[-2], q.shape[-1])
-  if got != want:
-    raise ValueError(f"q must have shape [batch, (q_len,) n_heads, head_dim] "
-                     f"= [{want[0]}, (q_len,) {want[1]}, {want[2]}]; got "
-                     f"{tuple(q.shape)}.")
-  if q.ndim == 4 and not 1 <= q.shape[1] <= MAX_DRAFT:
-    raise ValueError(f"a draft has 1..{MAX_DRAFT} tokens (q.shape[1]); got "
-                     f"{q.shape[1]}.")
+  _ckv.check_decode_q(q.shape, q.dtype, batch=cfg.batch, n_heads=cfg.n_heads,
+                      head_dim=cfg.head_dim, cache_dtype=cfg.dtype,
+                      max_draft=MAX_DRAFT)
   left, _ = val.check_window(window_size)
   softcap = val.check_softcap(softcap)
   scale = val.check_softmax_scale(softmax_scale, cfg.head_dim)
   val.check_sinks(sinks, cfg.n_heads)
-  if num_splits is not None:
-    num_splits = _check_int("num_splits", num_splits)
+  num_splits = _ckv.check_num_splits(num_splits)
   be = resolve_backend(backend, kernel="fold_attn_with_kvcache")
   kw = dict(softmax_scale=scale, sinks=sinks, window_left=left,
             softcap=softcap, depth=cfg.depth, v_res=cache.v_res,

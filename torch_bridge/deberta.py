@@ -59,7 +59,10 @@ from torch_bridge._deberta_jax import (DebertaConfig, _backward_fn,  # noqa: F40
                                       _forward_fn)
 from torch_bridge import _runtime as rt
 from torch_bridge import settings
-from torch_bridge.attention import resolve_backend
+from jax_api.contract import deberta as _cdb
+from jax_api.contract import dense as _cd
+from torch_bridge.attention import (_DTYPE_NAMES, _check_qkv, _check_tensor,
+                                    _cu_values, dtype_name, resolve_backend)
 
 _PACKED: contextvars.ContextVar = contextvars.ContextVar("foldax_packed",
                                                          default=None)
@@ -203,9 +206,33 @@ def disentangled_attention(q: Tensor, k: Tensor, v: Tensor,
   or an int32 scalar tensor; drawn from torch's generator when None).
   Differentiable in q, k, v, pos_key and pos_query.
   """
-  if isinstance(pos_att_type, str):
-    pos_att_type = [t.strip() for t in pos_att_type.split("|") if t.strip()]
-  c2p, p2c = "c2p" in pos_att_type, "p2c" in pos_att_type
+  packed_in = cu_seqlens is not None
+  _check_qkv(q, k, v, packed=packed_in)
+  _cdb.check_self_attention(tuple(q.shape), tuple(k.shape))
+  # A seed is drawn below when none is given, so dropout never lacks one.
+  c2p, p2c, _ = _cdb.check_options(position_buckets, max_relative_positions,
+                                   pos_att_type, dropout_rate, True)
+  span = _cdb.att_span(position_buckets, max_relative_positions)
+  for name, pos, on in (("pos_key", pos_key, c2p),
+                        ("pos_query", pos_query, p2c)):
+    if on:
+      if pos is not None:
+        _check_tensor(name, pos, 3, "[2*att_span, heads, head_dim]")
+      _cdb.check_position_table(
+          name, None if pos is None else tuple(pos.shape),
+          None if pos is None else dtype_name(pos.dtype), span, q.shape[-2],
+          q.shape[-1], allowed=_DTYPE_NAMES)
+  if packed_in:
+    _cdb.check_packed_mask_exclusive(attention_mask is not None)
+    _check_tensor("cu_seqlens", cu_seqlens, 1, "[num_seqs + 1]")
+    values = _cu_values(cu_seqlens, need=max_seqlen is None)
+    _cd.check_cu_seqlens("cu_seqlens", tuple(cu_seqlens.shape),
+                         dtype_name(cu_seqlens.dtype), q.shape[0], values)
+    max_seqlen = _cd.check_max_seqlen("max_seqlen", max_seqlen, values) or \
+        max_seqlen
+  elif attention_mask is not None:
+    _check_tensor("attention_mask", attention_mask, 2, "[batch, seq]")
+    _cdb.check_attention_mask(tuple(attention_mask.shape), q.shape[:2])
   be = resolve_backend(q, backend)
   if attention_mask is not None:
     attention_mask = rt.derived(

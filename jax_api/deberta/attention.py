@@ -12,9 +12,9 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jax_api import _validation as val
+from jax_api.contract import deberta as _cdb
 from jax_api._backend import _gpu_capability, resolve_backend
 from pallas_kernels import settings
 from pallas_kernels.varlen import token_seq_ids
@@ -102,44 +102,18 @@ _kernel_attention.defvjp(_fwd, _bwd)
 
 
 def _check_pos(name, pos, span, h, d, dtype):
-  val.check_array(name, pos, ndim=3, layout="[2*att_span, heads, head_dim]")
-  val.check_float_dtype(name, pos)
-  if pos.shape[1:] != (h, d):
-    raise ValueError(f"{name} must have shape [>= 2*att_span, {h}, {d}]; got "
-                     f"{tuple(pos.shape)}.")
-  if pos.shape[0] < 2 * span:
-    raise ValueError(f"{name} has {pos.shape[0]} rows; needs at least "
-                     f"2*att_span = {2 * span} (att_span = position_buckets "
-                     "if > 0 else max_relative_positions).")
+  if pos is not None:
+    val.check_array(name, pos, ndim=3, layout="[2*att_span, heads, head_dim]")
+  _cdb.check_position_table(name, None if pos is None else pos.shape,
+                            None if pos is None else pos.dtype, span, h, d)
   return jnp.asarray(pos)[: 2 * span].astype(dtype)
 
 
 def _check_options(position_buckets, max_relative_positions, pos_att_type,
                    dropout_rate, dropout_rng):
-  for name, x in (("position_buckets", position_buckets),
-                  ("max_relative_positions", max_relative_positions)):
-    if not isinstance(x, (int, np.integer)) or isinstance(x, bool):
-      raise TypeError(f"{name} must be a Python int; got {x!r}.")
-  if max_relative_positions < 1:
-    raise ValueError(
-        "max_relative_positions must be >= 1 (HF replaces values < 1 by "
-        f"max_position_embeddings; do that first); got "
-        f"{max_relative_positions}.")
-  if isinstance(pos_att_type, str):
-    pos_att_type = tuple(t.strip() for t in pos_att_type.split("|") if t)
-  types = tuple(pos_att_type or ())
-  bad = [t for t in types if t not in ("c2p", "p2c")]
-  if bad:
-    raise ValueError(f"pos_att_type entries must be 'c2p' or 'p2c'; got "
-                     f"{bad}.")
-  if not isinstance(dropout_rate, (int, float, np.floating)):
-    raise TypeError(f"dropout_rate must be a Python float; got "
-                    f"{dropout_rate!r}.")
-  if not 0.0 <= float(dropout_rate) < 1.0:
-    raise ValueError(f"dropout_rate must be in [0, 1); got {dropout_rate}.")
-  if dropout_rate > 0 and dropout_rng is None:
-    raise ValueError("dropout_rate > 0 needs dropout_rng (a jax.random key).")
-  return "c2p" in types, "p2c" in types, float(dropout_rate)
+  return _cdb.check_options(position_buckets, max_relative_positions,
+                            pos_att_type, dropout_rate,
+                            dropout_rng is not None)
 
 
 @settings.accepts_config
@@ -188,10 +162,7 @@ def disentangled_attention(
   """
   packed = cu_seqlens is not None
   val.check_qkv(q, k, v, packed=packed)
-  if q.shape != k.shape:
-    raise ValueError(f"disentangled attention is self-attention: q and k "
-                     f"must have one shape; got {tuple(q.shape)} and "
-                     f"{tuple(k.shape)}.")
+  _cdb.check_self_attention(q.shape, k.shape)
   c2p, p2c, rate = _check_options(position_buckets, max_relative_positions,
                                   pos_att_type, dropout_rate, dropout_rng)
   geo = geometry(int(position_buckets), int(max_relative_positions))
@@ -200,16 +171,13 @@ def disentangled_attention(
   pq = (_check_pos("pos_query", pos_query, geo.span, h, d, q.dtype)
         if p2c else None)
   if packed:
-    if attention_mask is not None:
-      raise ValueError("attention_mask and cu_seqlens are exclusive (packed "
-                       "sequences need no padding mask).")
+    _cdb.check_packed_mask_exclusive(attention_mask is not None)
     val.check_cu_seqlens("cu_seqlens", cu_seqlens, q.shape[0])
+    val.concrete_max_seqlen("max_seqlen", cu_seqlens, max_seqlen)
   elif attention_mask is not None:
     val.check_array("attention_mask", attention_mask, ndim=2,
                     layout="[batch, seq]")
-    if tuple(attention_mask.shape) != tuple(lead):
-      raise ValueError(f"attention_mask must have shape [batch, seq] = "
-                       f"{list(lead)}; got {tuple(attention_mask.shape)}.")
+    _cdb.check_attention_mask(attention_mask.shape, lead)
   seed = (dropout_hash.seed_from_rng(dropout_rng) if rate > 0 else None)
   be = resolve_backend(backend, kernel="disentangled_attention")
   # Full tiles without load masks: on for GPUs, off in interpret mode (half
