@@ -230,11 +230,20 @@ class _Kernels:
 
   @staticmethod
   def _new_device_constant(cache: dict, device, what: str, make):
-    """cache[device] = make(), for a constant made once per device by a
-    blocking host-to-device copy (complete before any stream reads it) --
-    which a CUDA graph capture cannot record, so it is refused there."""
+    """cache[device] = make() placed on `device`: `make` returns host tensors
+    (one or a tuple), copied once per device, blocking, so complete before
+    any stream reads them. A CUDA graph capture cannot record that copy, so
+    it is refused there. The device copy is allocated by JAX, not by torch:
+    a constant made during a warm-up of inductor's CUDA graph trees would
+    otherwise sit in the graph's memory pool, where it is an allocation the
+    graph does not track (and the tree refuses to record)."""
     rt.refuse_in_graph_capture(device, f"a first call's {what}")
-    c = cache[device] = make()
+    host = make()
+    if isinstance(host, tuple):
+      c = tuple(rt.device_constant(t, device) for t in host)
+    else:
+      c = rt.device_constant(host, device)
+    cache[device] = c
     return c
 
   def _launch(self, name, *args, stream=None):
@@ -448,8 +457,8 @@ class DensePlan(_Kernels):
       return cu
     return self._new_device_constant(
         self._cu_cache, device, "cu_seqlens",
-        lambda: tuple((torch.arange(self.shape.b + 1, dtype=torch.int32) *
-                       n).to(device) for n in (self.shape.sq, self.shape.sk)))
+        lambda: tuple(torch.arange(self.shape.b + 1, dtype=torch.int32) * n
+                      for n in (self.shape.sq, self.shape.sk)))
 
   def _zero_rows(self, device):
     """float32 zeros [hq, total_q], the dLSE of a call whose LSE got no
@@ -461,7 +470,7 @@ class DensePlan(_Kernels):
     return self._new_device_constant(
         self._zero_cache, device, "zero dLSE",
         lambda: torch.zeros((self.shape.hq, self.shape.b * self.shape.sq),
-                            dtype=torch.float32).to(device))
+                            dtype=torch.float32))
 
   @staticmethod
   def _segs(q_seg, k_seg):

@@ -126,10 +126,9 @@ class DebertaPlan(_Kernels):
       return c
     return self._new_device_constant(
         self._consts, device, "cu_seqlens and slot table",
-        lambda: ((torch.arange(self.shape.b + 1, dtype=torch.int32) *
-                  self.shape.s).to(device),
-                 torch.as_tensor(self._slot_table,
-                                 dtype=torch.int32).to(device)))
+        lambda: (torch.arange(self.shape.b + 1, dtype=torch.int32) *
+                 self.shape.s,
+                 torch.as_tensor(self._slot_table, dtype=torch.int32)))
 
   def _mask_args(self, mask):
     """The kernel's int32 token mask and used lengths (derived once per mask

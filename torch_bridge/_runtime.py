@@ -183,6 +183,22 @@ def _jax_cuda_device(index: int):
     return devs[0] if devs else None
 
 
+def device_constant(host, device):
+  """A read-only copy of the host tensor `host` on the CUDA `device`, in
+  memory JAX allocates (outside torch's caching allocator and so outside
+  any CUDA graph pool); complete when this returns. Falls back to
+  `host.to(device)` where JAX has no CUDA client."""
+  import torch
+  jax_device = _jax_cuda_device(device.index or 0) if device.type == "cuda" \
+      else None
+  if jax_device is None:
+    return host.to(device)
+  import jax
+  arr = jax.device_put(host.numpy(), jax_device)
+  arr.block_until_ready()
+  return torch.from_dlpack(arr)
+
+
 def target_for(device, dtype, backend: str = "auto") -> Target:
   """The Target of tensors on `device` with `dtype` (cached)."""
   key = (device.type, device.index, dtype, backend)
