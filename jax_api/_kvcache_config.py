@@ -1,7 +1,8 @@
 """What a `FoldKVCache` is, statically: its `CacheConfig` (the pytree's aux
-data) and the bits of its sticky error word, shared by the cache
-(`jax_api.kvcache`), its write paths (`jax_api._kvcache_write`) and its
-decode call (`jax_api._kvcache_decode`)."""
+data, which also turns one decode call's static inputs into the decode op's
+options, for `jax_api` and `torch_bridge` alike) and the bits of its sticky
+error word, shared by the cache (`jax_api.kvcache`), its write paths
+(`jax_api._kvcache_write`) and its decode call (`jax_api._kvcache_decode`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import dataclasses
 
 import jax
 
-from pallas_kernels.decode import head_dim_pad
+from jax_api.contract import kvcache as _ckv
+from pallas_kernels.decode import MAX_DRAFT, head_dim_pad
+from pallas_kernels.decode.core import DecodeOptions
 
 ERR_MAX_LEN = 1    # a sequence would grow past max_len
 ERR_POOL = 2       # the page pool is exhausted
@@ -60,3 +63,22 @@ class CacheConfig:
   @property
   def summaries(self) -> bool:
     return self.depth is not None
+
+  def decode_options(self, q_shape, q_dtype, sinks_shape=None,
+                     sinks_dtype=None, *, backend: str, softmax_scale=None,
+                     window_size=(-1, -1), softcap: float = 0.0,
+                     num_splits=None) -> DecodeOptions:
+    """Checks one decode call's static inputs against this cache (q [batch,
+    (q_len,) n_heads, head_dim] in the cache dtype, sinks None or float
+    [n_heads], the options as `fold_attn_with_kvcache`; the rules of
+    `jax_api.contract.kvcache.check_decode`) and returns the options of the
+    decode op's core. backend: already resolved ("pallas", "interpret" or
+    "xla")."""
+    checked = _ckv.check_decode(
+        tuple(q_shape), q_dtype, sinks_shape, sinks_dtype,
+        softmax_scale=softmax_scale, window_size=window_size,
+        softcap=softcap, num_splits=num_splits, batch=self.batch,
+        n_heads=self.n_heads, head_dim=self.head_dim, cache_dtype=self.dtype,
+        max_draft=MAX_DRAFT)
+    return DecodeOptions(backend=backend, chunk_tokens=self.chunk_tokens,
+                         depth=self.depth, **checked)

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 from jax_api import _validation as val
 from jax_api._backend import _gpu_capability, resolve_backend
-from jax_api.contract import kvcache as _ckv
-from pallas_kernels.decode import MAX_DRAFT, core
+from pallas_kernels.decode import core
 
 
 def attend(cache, q, *, softmax_scale, sinks, window_size, softcap,
@@ -20,15 +19,12 @@ def attend(cache, q, *, softmax_scale, sinks, window_size, softcap,
                   "head_dim]")
   if sinks is not None:
     val.check_array("sinks", sinks, ndim=1, layout="[heads_q]")
-  opts = _ckv.check_decode(
-      q.shape, q.dtype, None if sinks is None else sinks.shape,
-      None if sinks is None else sinks.dtype, softmax_scale=softmax_scale,
-      window_size=window_size, softcap=softcap, num_splits=num_splits,
-      batch=cfg.batch, n_heads=cfg.n_heads, head_dim=cfg.head_dim,
-      cache_dtype=cfg.dtype, max_draft=MAX_DRAFT)
   be = resolve_backend(backend, kernel="fold_attn_with_kvcache")
-  options = core.DecodeOptions(backend=be, chunk_tokens=cfg.chunk_tokens,
-                               depth=cfg.depth, **opts)
+  options = cfg.decode_options(
+      q.shape, q.dtype, None if sinks is None else sinks.shape,
+      None if sinks is None else sinks.dtype, backend=be,
+      softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+      num_splits=num_splits)
   return core.decode(q, cache.paged_kv, sinks, options=options,
                      compute_capability=_gpu_capability()
                      if be == "pallas" else None)

@@ -269,18 +269,12 @@ def fold_attn_with_kvcache(q: Tensor, cache: FoldKVCache, k: Tensor | None = Non
   cache._check_inputs(q=None, k=k, v=v, active=active, sinks=sinks)
   if not isinstance(q, Tensor):
     raise TypeError(f"q must be a torch.Tensor; got {type(q).__name__}.")
-  from pallas_kernels.decode import MAX_DRAFT, core
-  c = cache.config
-  opts = _ckv.check_decode(
+  options = cache.config.decode_options(
       tuple(q.shape), dtype_name(q.dtype),
       None if sinks is None else tuple(sinks.shape),
       None if sinks is None else dtype_name(sinks.dtype),
-      softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-      num_splits=num_splits, batch=c.batch, n_heads=c.n_heads,
-      head_dim=c.head_dim, cache_dtype=c.dtype, max_draft=MAX_DRAFT)
-  options = core.DecodeOptions(backend=cache.target.backend,
-                               chunk_tokens=c.chunk_tokens, depth=c.depth,
-                               **opts)
+      backend=cache.target.backend, softmax_scale=softmax_scale,
+      window_size=window_size, softcap=softcap, num_splits=num_splits)
   imp = cache._imp()
   act = None if active is None else imp(active.to(torch.bool))
   out, cache.jax = _step_fn(options)(cache.jax, imp(q), imp(k), imp(v),
