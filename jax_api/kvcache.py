@@ -43,7 +43,8 @@ outside `jax.jit` (concrete lengths) it raises ValueError and the cache you
 hold is untouched. Under `jax.jit` nothing can raise, so the operation becomes
 a no-op on every slot (no page, length or table entry changes) and the sticky
 error word `cache.error` gets the matching bit (ERR_* below); call
-`cache.check()` outside jit (or read `cache.error`) to surface it.
+`cache.check()` outside jit (or read `cache.error`) to surface it, and
+`cache.clear_error()` to reset it.
 
 Numerics
 --------
