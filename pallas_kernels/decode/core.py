@@ -3,8 +3,9 @@ step's queries in, the attention output out, on the backend asked for.
 
 `jax_api.kvcache` (`fold_attn_with_kvcache`, `FoldKVCache.attend`) and
 `torch_bridge.kvcache` both call `decode`; they check the user's inputs
-first, with the same rules (`jax_api.contract.kvcache.check_decode`), and
-hand over what those checks resolved as a `DecodeOptions`. Decoding has no
+first, with the same rules and the same call (`CacheConfig.decode_options`
+of `jax_api.kvcache`, after `jax_api.contract.kvcache.check_decode`), which
+hands over what those checks resolved as a `DecodeOptions`. Decoding has no
 autodiff, so there is no backward.
 
 Layouts (those of `pallas_kernels.decode.paged_decode`):
