@@ -432,6 +432,7 @@ SWEEP_BLOCKS = ("32,4,2", "32,4,3", "64,4,2", "64,4,3", "64,4,4", "64,8,3",
 
 
 def sweep(shapes, ctx, doc, path):
+  from pallas_kernels import settings
   from pallas_kernels.decode.config import num_sms
   for shape in shapes:
     inp = make_inputs(shape)
@@ -444,14 +445,15 @@ def sweep(shapes, ctx, doc, path):
       for ns in split_opts:
         if ctx.out_of_time():
           return
-        os.environ["FOLDAX_DECODE_BLOCKS"] = blocks
         ctx.num_splits = ns
-        rec = run_jax("ours", shape, inp, ctx, {})
+        # Traced (and so planned) inside the settings: their tiles.
+        with settings.use(settings.KernelSettings(decode_blocks=tuple(
+            int(x) for x in blocks.split(",")))):
+          rec = run_jax("ours", shape, inp, ctx, {})
         rec.update(blocks=blocks, num_splits=ns)
         doc["records"].append(rec)
         _print(rec)
         write_json(path, doc)
-    os.environ.pop("FOLDAX_DECODE_BLOCKS", None)
     ctx.num_splits = None
 
 
