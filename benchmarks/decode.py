@@ -6,8 +6,8 @@
         (ours only: tile / warps / stages / split count table, for tuning
          pallas_kernels/decode/config.py)
     python -m benchmarks.decode --accuracy --output acc.json
-        (CPU or GPU: error versus depth, v8 error, and the fraction of value
-         tiles each option still reads, on synthetic data)
+        (CPU or GPU: error versus depth and the fraction of value tiles
+         each depth still reads, on synthetic data)
     python -m benchmarks.decode --table decode.json       (re-print)
 
 Shapes: one new query token per sequence, every sequence at length T, bf16,
@@ -18,9 +18,6 @@ Implementations (exact calls):
   ours          pallas_kernels.decode.paged_decode over a page pool [P, 256,
                 8, 128] with pages scattered at random (a real paged cache;
                 FoldKVCache's layout), num_splits chosen by the kernel
-  ours_v8       the same with values as two E4M3 planes (FoldKVCache(v8=True)):
-                the same bytes as bf16 values, so "tokens/s at equal memory"
-                is B / time at the same B and T
   ours_depth16  the same with depth=16 (page summaries; key/page cut)
   ours_fp8      the same pages stored in E4M3 with a float32 scale per (page,
                 KV head) (FoldKVCache(kv_dtype=jnp.float8_e4m3fn)), dequantised
@@ -54,7 +51,6 @@ import argparse
 import dataclasses
 import datetime
 import json
-import math
 import os
 import re
 import sys
@@ -64,12 +60,12 @@ from typing import Any
 
 from benchmarks import _timing as T
 
-JAX_IMPLS = ("ours", "ours_v8", "ours_depth16", "ours_fp8", "ours_fp8_e5m2",
+JAX_IMPLS = ("ours", "ours_depth16", "ours_fp8", "ours_fp8_e5m2",
              "jax_cudnn", "pallas_gqa", "pallas_paged", "jax_xla")
 TORCH_IMPLS = ("torch_sdpa",)
-DEFAULT_IMPLS = ("ours", "ours_fp8", "ours_v8", "ours_depth16", "torch_sdpa",
+DEFAULT_IMPLS = ("ours", "ours_fp8", "ours_depth16", "torch_sdpa",
                  "jax_cudnn", "pallas_gqa", "pallas_paged")
-SMOKE_IMPLS = ("ours", "ours_fp8", "ours_v8", "ours_depth16", "jax_xla")
+SMOKE_IMPLS = ("ours", "ours_fp8", "ours_depth16", "jax_xla")
 FP8_IMPLS = {"ours_fp8": "float8_e4m3fn", "ours_fp8_e5m2": "float8_e5m2"}
 PAGE = 256
 
@@ -157,24 +153,16 @@ def make_inputs(shape: Shape, seed: int = 0):
 def make_ours(name: str, shape: Shape, inp: dict, ctx) -> tuple:
   import jax
   import jax.numpy as jnp
-  from pallas_kernels.decode import (encode_v8, page_summaries, paged_decode,
-                                     v8_scale_for)
-  from jax_api._backend import _gpu_capability
+  from pallas_kernels.decode import page_summaries, paged_decode
+  from pallas_kernels.device import gpu_capability
   interpret = not ctx.on_gpu
-  cc = None if interpret else _gpu_capability()
+  cc = None if interpret else gpu_capability()
   chunk = max(shape.page, ctx.chunk_tokens)
   kw = dict(chunk_tokens=chunk, interpret=interpret, compute_capability=cc,
             num_splits=ctx.num_splits)
   args = [inp["q"], inp["k_pages"], inp["v_pages"], inp["table"],
           inp["lengths"]]
   notes = f"page {shape.page}, chunk {chunk}"
-  if name == "ours_v8":
-    scale = v8_scale_for(jnp.max(jnp.abs(inp["v"].astype(jnp.float32))))
-    vc, vr = encode_v8(inp["v_pages"], scale)
-    args[2] = vc
-    fn = jax.jit(lambda q, k, v, t, n, vr, s: paged_decode(
-        q, k, v, t, n, v_res=vr, v_scale=s, **kw))
-    return fn, args + [vr, scale], notes + ", v8 (coarse+residual E4M3)"
   if name in FP8_IMPLS:
     from pallas_kernels.decode.fp8 import quantise_pages
     dt = jnp.dtype(FP8_IMPLS[name])
@@ -336,20 +324,18 @@ def add_checks(recs: list, keep: dict):
 
 
 # ----------------------------------------------------------------------------
-# Accuracy: error versus depth, v8 error (synthetic data, float32 outputs)
+# Accuracy: error versus depth (synthetic data, float32 outputs)
 # ----------------------------------------------------------------------------
 def accuracy(ctx) -> list[dict]:
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from jax_api._xla_decode import xla_decode
-  from pallas_kernels.decode import (contiguous_as_pages, decode_v8,
-                                     encode_v8, page_summaries, v8_scale_for)
+  from pallas_kernels.decode import (contiguous_as_pages, page_summaries,
+                                     xla_decode)
   from pallas_kernels.flash.tiles import LOG2E
   from pallas_kernels.reference import paged_decode_reference
   from pallas_kernels.reference.decode import gather_pages
-  model = jax.jit(xla_decode, static_argnames=("depth", "v8_depth",
-                                               "return_reference"))
+  model = jax.jit(xla_decode, static_argnames=("depth", "return_reference"))
   b, t, hq, hkv, d, s, bk = 2, ctx.acc_tokens, 8, 2, 128, 256, 64
   out = []
 
@@ -373,18 +359,16 @@ def accuracy(ctx) -> list[dict]:
         jnp.float32)
     return f(q), f(k), f(v)
 
-  def tiles_read(q, kp, table, lengths, ref, depth, vd):
+  def tiles_read(q, kp, table, lengths, ref, depth):
     k = gather_pages(kp, table)
     g = hq // hkv
     sc = jnp.einsum("bhgd,bthd->bhgt", q.reshape(b, hkv, g, d), k) / d ** .5
     rel = sc * LOG2E - ref.reshape(b, hkv, -1)[..., :g, None]
     vis = jnp.broadcast_to(jnp.arange(t) < lengths[:, None, None, None],
                            rel.shape)
-    num = vis & (rel >= -depth) if depth is not None else vis
-    fine = num & (rel >= -vd)
+    num = vis & (rel >= -depth)
     tile = lambda x: jnp.any(x.reshape(b, hkv, g, t // bk, bk), axis=(2, 4))
-    n = jnp.sum(tile(vis))
-    return float(jnp.sum(tile(num)) / n), float(jnp.sum(tile(fine)) / n)
+    return float(jnp.sum(tile(num)) / jnp.sum(tile(vis)))
 
   for kind in ("random", "structured", "peaked"):
     for sigma in (1.0, 4.0):
@@ -405,28 +389,11 @@ def accuracy(ctx) -> list[dict]:
       for dd in (2, 4, 8, 12, 16, 24):
         o, r = model(q, kp, vp, table, lengths, depth=dd, summaries=summ,
                      return_reference=True)
-        fv, _ = tiles_read(q, kp, table, lengths, r, dd, 0)
+        fv = tiles_read(q, kp, table, lengths, r, dd)
         out.append(dict(base, option=f"depth={dd}", rel_err=rel(o),
                         v_tiles_read=fv))
-      scale = v8_scale_for(jnp.max(jnp.abs(vp)))
-      vc, vr = encode_v8(vp, scale)
-      val_err = float(jnp.linalg.norm(decode_v8(vc, vr, scale) - vp) /
-                      jnp.linalg.norm(vp))
-      for vd in (0, 4, 8, 12, 16):
-        o, r = model(q, kp, vc, table, lengths, v_res=vr, v_scale=scale,
-                     v8_depth=vd, return_reference=True)
-        _, fr = tiles_read(q, kp, table, lengths, r, None, vd)
-        out.append(dict(base, option=f"v8 v8_depth={vd}", rel_err=rel(o),
-                        residual_tiles_read=fr, v8_value_rel_err=val_err))
-      bf = jnp.asarray(vp, jnp.float32)
-      out.append(dict(base, option="bf16 values (reference)",
-                      v8_value_rel_err=val_err,
-                      bf16_value_rel_err=float(
-                          jnp.linalg.norm(bf.astype(jnp.bfloat16).astype(
-                              jnp.float32) - bf) / jnp.linalg.norm(bf))))
       print(f"  {kind:10s} sigma={sigma}: " + "  ".join(
-          f"{r['option']}={r['rel_err']:.1e}" for r in out[-13:-1]
-          if "rel_err" in r), flush=True)
+          f"{r['option']}={r['rel_err']:.1e}" for r in out[-7:]), flush=True)
   return out
 
 
@@ -465,6 +432,7 @@ SWEEP_BLOCKS = ("32,4,2", "32,4,3", "64,4,2", "64,4,3", "64,4,4", "64,8,3",
 
 
 def sweep(shapes, ctx, doc, path):
+  from pallas_kernels import settings
   from pallas_kernels.decode.config import num_sms
   for shape in shapes:
     inp = make_inputs(shape)
@@ -477,14 +445,15 @@ def sweep(shapes, ctx, doc, path):
       for ns in split_opts:
         if ctx.out_of_time():
           return
-        os.environ["FOLDAX_DECODE_BLOCKS"] = blocks
         ctx.num_splits = ns
-        rec = run_jax("ours", shape, inp, ctx, {})
+        # Traced (and so planned) inside the settings: their tiles.
+        with settings.use(settings.KernelSettings(decode_blocks=tuple(
+            int(x) for x in blocks.split(",")))):
+          rec = run_jax("ours", shape, inp, ctx, {})
         rec.update(blocks=blocks, num_splits=ns)
         doc["records"].append(rec)
         _print(rec)
         write_json(path, doc)
-    os.environ.pop("FOLDAX_DECODE_BLOCKS", None)
     ctx.num_splits = None
 
 

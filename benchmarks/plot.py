@@ -63,15 +63,19 @@ IMPL_NAMES = {
     "bridge": "foldax via torch_bridge",
     "jax_direct": "foldax called from JAX",
     "torch_sdpa": "torch SDPA",
-    # decode suite (benchmarks.decode)
+    # decode suite (benchmarks.decode); ours_v8 (an option since removed)
+    # labels the runs of results/ that measured it
     "ours_v8": "foldax, values as 2×E4M3 (v8)",
     "ours_depth16": "foldax, depth=16 (approximate cut)",
+    "ours_fp8": "foldax, FP8 cache (E4M3)",
+    "ours_fp8_e5m2": "foldax, FP8 cache (E5M2)",
     "pallas_gqa": "JAX Pallas decode_attention.gqa",
     "pallas_paged": "JAX Pallas paged_attention",
 }
 IMPL_VERSION_PKG = {"tokamax": "tokamax", "tokamax_triton": "tokamax",
                     "fastflash": "fastflash-attention"}
-IMPL_ORDER = ("ours", "ours_v8", "ours_depth16", "pallas_gqa", "pallas_paged",
+IMPL_ORDER = ("ours", "ours_v8", "ours_depth16", "ours_fp8", "ours_fp8_e5m2",
+              "pallas_gqa", "pallas_paged",
               "jax_cudnn", "jax_cudnn_det", "torch_cudnn",
               "torch_flash", "torch_flash_det", "tokamax", "tokamax_triton",
               "fastflash", "pallas_mha", "pallas_mha_tuned", "jax_xla",

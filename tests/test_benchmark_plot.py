@@ -106,7 +106,7 @@ def test_cli_and_merged_run_format(tmp_path):
                  eff_tbs=bw, tokens_per_s=b / (2 * b * t * 8 * 128 * 2 /
                                                (bw * 1e12)),
                  error=None, bitwise_repeatable=True)
-            for impl, bw in (("ours", 3.5), ("ours_v8", 3.6),
+            for impl, bw in (("ours", 3.5), ("ours_fp8", 3.6),
                              ("torch_sdpa", 3.8))
             for b, t in ((8, 32768), (64, 4096))]
   decode.append(dict(impl="pallas_paged", B=8, T=32768, Hq=32, Hkv=8, D=128,

@@ -1,7 +1,7 @@
 """Split-KV paged decode kernel (Pallas, interpret mode on CPU) against the
 float32 references, its bitwise invariances (split count, batch, page
-placement), the declared-reference fallback, the depth / v8 options against
-the XLA model of the same semantics, and Triton lowering. GPU twins are
+placement), the declared-reference fallback, the depth option against
+the XLA backend (a model of the same semantics), and Triton lowering. GPU twins are
 marked `gpu` (run with `pytest -m gpu` on an NVIDIA GPU)."""
 
 from __future__ import annotations
@@ -13,10 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_api._xla_decode import xla_decode
 from pallas_kernels.decode import (contiguous_as_pages, contiguous_decode,
-                                   encode_v8, page_summaries, paged_decode,
-                                   v8_scale_for)
+                                   page_summaries, paged_decode, xla_decode)
 from pallas_kernels.reference import paged_decode_reference
 from pallas_kernels.reference.decode_draft import paged_draft_reference
 
@@ -67,7 +65,7 @@ def _reference(q, k, v, table, lengths, **opts):
 
 
 _model = jax.jit(xla_decode, static_argnames=(
-    "softmax_scale", "window_left", "softcap", "depth", "v8_depth"))
+    "softmax_scale", "window_left", "softcap", "depth"))
 
 
 def _rel(a, b):
@@ -262,60 +260,31 @@ def test_depth_matches_model_and_converges():
   assert _same_bits(deep, exact)
 
 
-def test_v8_matches_model_and_bf16():
-  rng = np.random.default_rng(6)
-  lengths = (70, 29)
-  k, v, table, _ = _paged(rng, lengths, hkv=2, d=32, dtype=jnp.bfloat16)
-  q = _rand(rng, (2, 8, 32), jnp.bfloat16)
-  lengths = jnp.asarray(lengths, jnp.int32)
-  scale = v8_scale_for(jnp.max(jnp.abs(v.astype(jnp.float32))))
-  assert float(jnp.log2(scale)) == int(jnp.log2(scale))
-  vc, vr = encode_v8(v, scale)
-  kw = dict(chunk_tokens=2 * S, interpret=True, num_splits=2, v_res=vr,
-            v_scale=scale)
-  out = paged_decode(q, k, vc, table, lengths, **kw)
-  model = _model(q, k, vc, table, lengths, v_res=vr, v_scale=scale)
-  assert _rel(out, model) < 1e-2  # bf16 output rounding
-  ref = _reference(q, k, v, table, lengths)  # bf16 values, float32 math
-  assert _rel(model.astype(jnp.float32), ref) < 1e-2
-  # v8_depth=0: the residual plane only for weights >= R (the top keys);
-  # worse, still an approximation.
-  full = _rel(_model(q.astype(jnp.float32), k.astype(jnp.float32), vc, table,
-                     lengths, v_res=vr, v_scale=scale), ref)
-  coarse = _rel(_model(q.astype(jnp.float32), k.astype(jnp.float32), vc,
-                       table, lengths, v_res=vr, v_scale=scale, v8_depth=0),
-                ref)
-  assert full < 2e-3 and full < coarse < 6e-2
-
-
 def test_lowers_for_triton_on_cpu(fake_h200):
   """The decode kernels lower to Triton IR (what the GPU compiles)."""
   sds = jax.ShapeDtypeStruct
   b, hq, hkv, page, n_pages, mp = 4, 32, 8, 256, 64, 8
-  for d, dtype, q_len, depth, v8, sinks in (
-      (128, jnp.bfloat16, 1, None, False, False),
-      (128, jnp.bfloat16, 4, 16, True, True),
-      (64, jnp.float32, 1, None, False, True),
-      (96, jnp.float16, 3, 8, False, False)):
+  for d, dtype, q_len, depth, sinks in (
+      (128, jnp.bfloat16, 1, None, False),
+      (128, jnp.bfloat16, 4, 16, True),
+      (64, jnp.float32, 1, None, True),
+      (96, jnp.float16, 3, 8, False)):
     dp = 16
     while dp < d:
       dp *= 2
-    vdt = jnp.float8_e4m3fn if v8 else dtype
     pool = (n_pages, page, hkv, dp)
     summ = (sds((n_pages, hkv, dp), dtype), sds((n_pages, hkv, dp), dtype),
             sds((n_pages, hkv, dp), jnp.float32),
             sds((n_pages, hkv, dp), jnp.float32)) if depth else None
 
-    def f(q, k, v, t, n, vr, vs, sm, sk, depth=depth):
+    def f(q, k, v, t, n, sm, sk, depth=depth):
       return paged_decode(q, k, v, t, n, chunk_tokens=1024, window_left=300,
-                          softcap=30.0, depth=depth, v_res=vr, v_scale=vs,
+                          softcap=30.0, depth=depth,
                           summaries=sm, sinks=sk, interpret=False,
                           compute_capability=(9, 0), num_splits=4)
     txt = jax.jit(f).trace(
-        sds((b, q_len, hq, d), dtype), sds(pool, dtype), sds(pool, vdt),
-        sds((b, mp), jnp.int32), sds((b,), jnp.int32),
-        sds(pool, vdt) if v8 else None, sds((1,), jnp.float32) if v8 else None,
-        summ, sds((hq,), jnp.float32) if sinks else None).lower(
+        sds((b, q_len, hq, d), dtype), sds(pool, dtype), sds(pool, dtype),
+        sds((b, mp), jnp.int32), sds((b,), jnp.int32), summ, sds((hq,), jnp.float32) if sinks else None).lower(
             lowering_platforms=("cuda",)).as_text()
     assert "fold_decode_split" in txt and "fold_decode_combine" in txt
 
@@ -376,7 +345,7 @@ def test_gpu_bitwise_invariances():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU")
-def test_gpu_depth_v8_draft():
+def test_gpu_depth_draft():
   from jax_api._backend import _gpu_capability
   cc = _gpu_capability()
   q, k, v, table, lengths = _gpu_inputs(4, 3000)
@@ -390,12 +359,6 @@ def test_gpu_depth_v8_draft():
   out = paged_decode(q, k, v, table, lengths, **kw)
   model = xla_decode(q, k, v, table, lengths, depth=12, summaries=summ)
   assert _rel(out, model) < 2e-2
-  scale = v8_scale_for(jnp.max(jnp.abs(v.astype(jnp.float32))))
-  vc, vr = encode_v8(v, scale)
-  out = paged_decode(q, k, vc, table, lengths, chunk_tokens=1024,
-                     compute_capability=cc, v_res=vr, v_scale=scale)
-  ref = paged_decode_reference(q, k, v, table, lengths)[0]
-  assert _rel(out, ref) < 2e-2
   qd = _rand(np.random.default_rng(1), (4, 5, 32, 128), jnp.bfloat16)
   out = paged_decode(qd, k, v, table, lengths, chunk_tokens=1024,
                      compute_capability=cc)

@@ -1,5 +1,5 @@
 """FoldKVCache and fold_attn_with_kvcache: prefill + decode against the
-float32 references, drafts, jit with donation, v8 / depth caches, and cache
+float32 references, drafts, jit with donation, depth caches, and cache
 safety (a hypothesis state machine against a dict-of-lists model: contents,
 no page shared by two live slots, no page leaked, freed pages reused,
 overflow refused before any write, eagerly (ValueError) and under jit (error
@@ -109,36 +109,6 @@ def test_draft_tokens_causal_within_the_draft():
   again, _ = fold_attn_with_kvcache(qd, cache, window_size=(12, 0),
                                     backend="xla")  # no append: same result
   np.testing.assert_array_equal(np.asarray(again), np.asarray(out))
-
-
-def test_v8_cache():
-  rng = np.random.default_rng(2)
-  b, hq, hkv, d = 2, 4, 1, 32
-  plain = FoldKVCache.create(b, hq, hkv, d, 64, page_size=S,
-                             chunk_tokens=2 * S)
-  v8 = FoldKVCache.create(b, hq, hkv, d, 64, page_size=S, chunk_tokens=2 * S,
-                          v8=True)
-  assert v8.v_pages.dtype == jnp.float8_e4m3fn
-  q, k, v, cu = _prompts(rng, [20, 33], hq, hkv, d, jnp.bfloat16)
-  _, plain = plain.prefill(q, k, v, cu, backend="xla")
-  _, v8 = v8.prefill(q, k, v, cu, backend="xla")
-  scale = float(v8.v_scale)
-  assert scale > 0 and np.log2(scale) == int(np.log2(scale))
-  qs = _rand(rng, (b, hq, d), jnp.bfloat16)
-  ref = _ref_decode(plain, qs)
-  assert _rel(v8.attend(qs, backend="xla"), ref) < 1e-2
-  # The scale is fixed by the first write: values up to twice the prompt's
-  # largest still fit, larger ones saturate at 448 * scale.
-  vmax = float(jnp.max(jnp.abs(v.astype(jnp.float32))))
-  big = jnp.full((b, hkv, d), 1.5 * vmax, jnp.bfloat16)
-  huge = jnp.full((b, 1, hkv, d), 8.0 * vmax, jnp.bfloat16)
-  v8 = v8.append(jnp.concatenate([k[:2, None], k[:2, None]], 1),
-                 jnp.concatenate([big[:, None], huge], 1))
-  assert float(v8.v_scale) == scale
-  rows = gather_pages(v8.v_pages, v8.block_table)[
-      jnp.arange(b), v8.lengths - 1].astype(jnp.float32)
-  np.testing.assert_array_equal(np.asarray(rows)[..., :d], 448.0)
-  plain = plain.append(k[:2], big)
 
 
 def test_depth_cache_summaries_and_error():

@@ -8,10 +8,12 @@
     cache.free(torch.tensor([0]))
 
 A thin torch face over `jax_api.kvcache.FoldKVCache` (see its docs for the
-page pool, numerics and errors). The cache's storage is JAX's (it never
-comes from torch, so every update donates it to the jitted step and happens
-in place); q, k, v and the outputs cross through DLPack with the stream
-hand-off of `torch_bridge._runtime`. Inference only (no autograd).
+page pool, numerics and errors); decoding calls the decode op's core
+(`pallas_kernels.decode.core.decode`), as `jax_api` does, after the same
+input checks (`jax_api.contract.kvcache`). The cache's storage is JAX's (it
+never comes from torch, so every update donates it to the jitted step and
+happens in place); q, k, v and the outputs cross through DLPack with the
+stream hand-off of `torch_bridge._runtime`. Inference only (no autograd).
 
 Unlike FlashAttention's `flash_attn_with_kvcache`, which writes into torch
 tensors the caller owns, this cache object is updated in place by each call
@@ -32,7 +34,6 @@ import torch
 from torch import Tensor
 
 from torch_bridge import _runtime as rt
-from jax_api.contract import common as _cc
 from jax_api.contract import dense as _cd
 from jax_api.contract import kvcache as _ckv
 from torch_bridge.attention import (_check_tensor, _cu_values, dtype_name,
@@ -45,15 +46,17 @@ _KV_DTYPES = {torch.float8_e4m3fn: "float8_e4m3fn",
 
 
 @functools.cache
-def _step_fn(opts):
-  """jit(cache, q, k, v, sinks, active) -> (out, cache), cache donated."""
+def _step_fn(options):
+  """jit(cache, q, k, v, sinks, active) -> (out, cache), cache donated: the
+  append (when k is given), then the decode op's core with `options` (a
+  `pallas_kernels.decode.core.DecodeOptions`)."""
   import jax
-  from jax_api.kvcache import fold_attn_with_kvcache
-  kw = dict(opts)
+  from pallas_kernels.decode import core
 
   def step(cache, q, k, v, sinks, active):
-    return fold_attn_with_kvcache(q, cache, k, v, sinks=sinks, active=active,
-                                  **kw)
+    if k is not None:
+      cache = cache.append(k, v, active=active)
+    return core.decode(q, cache.paged_kv, sinks, options=options), cache
 
   return jax.jit(step, donate_argnums=0)
 
@@ -104,7 +107,7 @@ class FoldKVCache:
   def create(cls, batch: int, n_heads: int, n_kv_heads: int, head_dim: int,
              max_len: int, *, page_size: int = 256,
              dtype: torch.dtype = torch.bfloat16, device=None,
-             depth: int | None = None, v8: bool = False,
+             depth: int | None = None,
              num_pages: int | None = None, chunk_tokens: int | None = None,
              raise_errors: bool = True,
              kv_dtype: torch.dtype | None = None) -> "FoldKVCache":
@@ -127,7 +130,7 @@ class FoldKVCache:
     with jax.default_device(target.jax_device):
       c = jkv.FoldKVCache.create(batch, n_heads, n_kv_heads, head_dim,
                                  max_len, page_size=page_size,
-                                 dtype=_DTYPES[dtype], depth=depth, v8=v8,
+                                 dtype=_DTYPES[dtype], depth=depth,
                                  num_pages=num_pages,
                                  chunk_tokens=chunk_tokens,
                                  kv_dtype=_KV_DTYPES.get(kv_dtype))
@@ -148,10 +151,9 @@ class FoldKVCache:
 
   def check(self) -> "FoldKVCache":
     """Raises ValueError if a call was refused (and clears the error)."""
-    import jax.numpy as jnp
     err = int(self.jax.error)
     if err:
-      self.jax = self.jax._replace(error=jnp.zeros((), jnp.int32))
+      self.jax = self.jax.clear_error()
       from jax_api.kvcache import ERROR_NAMES
       what = [n for bit, n in ERROR_NAMES.items() if err & bit]
       raise ValueError(f"FoldKVCache refused an operation ({'; '.join(what)});"
@@ -248,11 +250,6 @@ class FoldKVCache:
     return self
 
 
-def _max_draft() -> int:
-  from pallas_kernels.decode import MAX_DRAFT
-  return MAX_DRAFT
-
-
 def fold_attn_with_kvcache(q: Tensor, cache: FoldKVCache, k: Tensor | None = None,
                            v: Tensor | None = None, *,
                            softmax_scale: float | None = None,
@@ -272,20 +269,16 @@ def fold_attn_with_kvcache(q: Tensor, cache: FoldKVCache, k: Tensor | None = Non
   cache._check_inputs(q=None, k=k, v=v, active=active, sinks=sinks)
   if not isinstance(q, Tensor):
     raise TypeError(f"q must be a torch.Tensor; got {type(q).__name__}.")
-  c = cache.config
-  _ckv.check_decode_q(tuple(q.shape), dtype_name(q.dtype), batch=c.batch,
-                      n_heads=c.n_heads, head_dim=c.head_dim,
-                      cache_dtype=c.dtype, max_draft=_max_draft())
-  _ckv.check_num_splits(num_splits)
-  _cc.check_window(window_size)
-  _cc.check_softcap(softcap)
-  opts = _opts(softmax_scale=softmax_scale, window_size=tuple(window_size),
-               softcap=float(softcap), num_splits=num_splits,
-               backend=cache.target.backend)
+  options = cache.config.decode_options(
+      tuple(q.shape), dtype_name(q.dtype),
+      None if sinks is None else tuple(sinks.shape),
+      None if sinks is None else dtype_name(sinks.dtype),
+      backend=cache.target.backend, softmax_scale=softmax_scale,
+      window_size=window_size, softcap=softcap, num_splits=num_splits)
   imp = cache._imp()
   act = None if active is None else imp(active.to(torch.bool))
-  out, cache.jax = _step_fn(opts)(cache.jax, imp(q), imp(k), imp(v),
-                                  imp(sinks), act)
+  out, cache.jax = _step_fn(options)(cache.jax, imp(q), imp(k), imp(v),
+                                     imp(sinks), act)
   out = rt.export([out], cache.target)[0]
   cache._done()
   return out

@@ -14,7 +14,9 @@ checked here is what shapes, dtypes and static values decide.
 from __future__ import annotations
 
 from jax_api.contract.common import (Shape, check_float_dtype, check_int,
-                                     check_rank, dtype_name)
+                                     check_rank, check_sinks, check_softcap,
+                                     check_softmax_scale, check_window,
+                                     dtype_name)
 
 
 def _check_cache_dtype(name: str, dtype, cache_dtype) -> None:
@@ -70,6 +72,25 @@ def check_num_splits(num_splits) -> int | None:
   if num_splits is None:
     return None
   return check_int("num_splits", num_splits)
+
+
+def check_decode(q_shape: Shape, q_dtype, sinks_shape: Shape | None,
+                 sinks_dtype, *, softmax_scale, window_size, softcap,
+                 num_splits, batch: int, n_heads: int, head_dim: int,
+                 cache_dtype, max_draft: int) -> dict:
+  """Everything static about one decode call (q as `check_decode_q`, sinks
+  None or float [n_heads]). Returns what the op's core takes
+  (`pallas_kernels.decode.core.DecodeOptions` fields): softmax_scale
+  resolved, window_left, softcap and num_splits."""
+  check_decode_q(q_shape, q_dtype, batch=batch, n_heads=n_heads,
+                 head_dim=head_dim, cache_dtype=cache_dtype,
+                 max_draft=max_draft)
+  left, _ = check_window(window_size)
+  softcap = check_softcap(softcap)
+  scale = check_softmax_scale(softmax_scale, head_dim)
+  check_sinks(sinks_shape, sinks_dtype, n_heads)
+  return dict(softmax_scale=scale, window_left=left, softcap=softcap,
+              num_splits=check_num_splits(num_splits))
 
 
 def check_prefill_heads(q_shape: Shape, k_shape: Shape, *, n_heads: int,

@@ -1,23 +1,26 @@
 """Split-KV decode over a paged KV cache whose partials combine by addition
-against a softmax reference declared before the reduction (see `kernel`)."""
+against a softmax reference declared before the reduction (see `kernel`).
+
+`core` is the op's framework-neutral entry (`core.decode`), `kernel` the one
+Pallas kernel body, `ops` its array-level wrappers, `xla` the pure-JAX
+backend, `fp8` the FP8 page format, `config` the tile table."""
 
 from pallas_kernels.decode.config import (MAX_DRAFT, DecodeBlocks,
                                           decode_blocks_for,
                                           default_num_splits)
 from pallas_kernels.decode.kernel import (OVERFLOW_MARGIN, DecodeSpec,
                                           fold_decode)
-from pallas_kernels.decode.ops import (DEFAULT_V8_DEPTH, arrange_queries,
-                                       contiguous_as_pages, contiguous_decode,
-                                       head_dim_pad, make_spec, page_anchors,
-                                       page_summaries,
-                                       paged_decode, unarrange_output)
-from pallas_kernels.decode.v8 import decode_v8, encode_v8, v8_scale_for
+from pallas_kernels.decode.ops import (arrange_queries, contiguous_as_pages,
+                                       contiguous_decode, head_dim_pad,
+                                       make_spec, page_anchors,
+                                       page_summaries, paged_decode,
+                                       unarrange_output)
+from pallas_kernels.decode.xla import xla_decode
 
 __all__ = [
-    "DEFAULT_V8_DEPTH", "MAX_DRAFT", "OVERFLOW_MARGIN", "DecodeBlocks",
-    "DecodeSpec", "arrange_queries", "contiguous_as_pages",
-    "contiguous_decode", "decode_blocks_for", "decode_v8",
-    "default_num_splits", "encode_v8", "fold_decode", "head_dim_pad",
-    "make_spec", "page_anchors", "page_summaries", "paged_decode", "unarrange_output",
-    "v8_scale_for",
+    "MAX_DRAFT", "OVERFLOW_MARGIN", "DecodeBlocks", "DecodeSpec",
+    "arrange_queries", "contiguous_as_pages", "contiguous_decode",
+    "decode_blocks_for", "default_num_splits", "fold_decode", "head_dim_pad",
+    "make_spec", "page_anchors", "page_summaries", "paged_decode",
+    "unarrange_output", "xla_decode",
 ]

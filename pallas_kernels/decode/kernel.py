@@ -5,8 +5,7 @@ Layouts (those of `pallas_kernels.reference.decode`):
                stacked as rows, row r = t * group + g for draft token t and
                query head h * group + g (zero rows pad to a power of two >= 16).
   k_pages:     [num_pages, page_size, heads_kv, d_pad], a page pool.
-  v_pages:     the same, or (v8) the coarse E4M3 plane, with `v_res` the
-               residual E4M3 plane and `v_scale` [1] the power-of-two scale.
+  v_pages:     the same.
   block_table: int32 [batch, max_pages]; lengths: int32 [batch].
   summaries:   (kmax, kmin) [num_pages, heads_kv, d_pad] in the key dtype and
                (ksum, ksumsq) float32: per-page key statistics (depth).
@@ -56,18 +55,13 @@ reference:
     e = mean score + ln2 * var / 2 (the log-normal mean, capped at the bound),
     from the page summaries.
 
-v8: values are decoded from a coarse E4M3 plane c and a residual plane r as
-scale * (c + r / 16); the residual term of key j is used only when
-w_j >= 2^-v8_depth, and a tile where no weight reaches that reads only the
-coarse plane (half the value bytes).
-
 fp8: keys and values are dequantised in registers right after their load,
 (entry * scale).astype(q.dtype); the scales are powers of two, so this is
 exact and the program then runs on the same values as over a cache holding
 the dequantised pages (same bits, half the bytes read).
 
 Every one of these decisions is a function of the row's own data, so the
-invariances above hold for depth, v8 and fp8 too.
+invariances above hold for depth and fp8 too.
 """
 
 from __future__ import annotations
@@ -91,8 +85,6 @@ OVERFLOW_MARGIN = 64.0
 # order).
 ANCHOR_TILE = 32
 COMBINE_UNROLL = 8
-# Residual plane factor: v = scale * (coarse + residual * 2^-V8_RES_SHIFT).
-V8_RES_SHIFT = 4
 
 
 def _pow2(n: int) -> int:
@@ -119,8 +111,6 @@ class DecodeSpec:
   softcap: float        # 0: off
   left: int             # window's left extent, -1 unbounded (right is 0)
   depth: int | None
-  v8: bool
-  v8_depth: int
   has_sinks: bool
   interpret: bool
   fp8: bool = False     # FP8 pages + per-(page, head) float32 scales
@@ -292,7 +282,6 @@ class _Program:
     (self.len_ref, self.bt_ref, self.q_ref, self.k_ref, self.v_ref,
      self.anchors_ref) = refs[:6]
     refs = list(refs[6:])
-    self.vr_ref = refs.pop(0) if spec.v8 else None
     self.ks_ref, self.vs_ref = ((refs.pop(0), refs.pop(0)) if spec.fp8
                                 else (None, None))
     self.sum_refs = (tuple(refs.pop(0) for _ in range(4))
@@ -379,14 +368,6 @@ class _Program:
       cdt = q.dtype
       acc = acc + plgpu.dot(num.astype(cdt), v.astype(cdt),
                             precision=precision)
-      if spec.v8:
-        # Residual plane only where the weight reaches 2^-v8_depth of R.
-        fine = jnp.where(rel >= -spec.v8_depth, num, 0.0)
-        rmask = kin[:, None] & _any2(fine > 0.0)
-        vr = plgpu.load(self.vr_ref.at[page, pl.ds(off, bk), h, :],
-                        mask=rmask, other=0.0)
-        acc = acc + plgpu.dot(fine.astype(cdt), vr.astype(cdt),
-                              precision=precision) * (2.0 ** -V8_RES_SHIFT)
       return acc, l, m
 
     t_lo = jnp.maximum(c * cs, self.lo) // bk
@@ -431,9 +412,7 @@ def _combine_kernel(*refs, spec: DecodeSpec, n_in: int, n_chunks: int,
                     fallback: bool):
   b, h = pl.program_id(0), pl.program_id(1)
   prog = _Program(spec, list(refs[:n_in]), b, h)
-  extra = list(refs[n_in:])
-  vscale_ref = extra.pop(0) if spec.v8 else None
-  acc_ref, l_ref, m_ref, r_ref, out_ref, used_ref = extra
+  acc_ref, l_ref, m_ref, r_ref, out_ref, used_ref = refs[n_in:]
   rmask = prog.row_ids < spec.rows_store
   rows = pl.ds(0, spec.rows_pad)
 
@@ -487,8 +466,6 @@ def _combine_kernel(*refs, spec: DecodeSpec, n_in: int, n_chunks: int,
     l = l + jnp.exp2(prog.sink2() - ref)
   ok = l > 0.0
   out = acc / jnp.where(ok, l, 1.0)[:, None]
-  if spec.v8:
-    out = out * vscale_ref[0]
   out = jnp.where(ok[:, None], out, 0.0)
   plgpu.store(out_ref.at[b, h, rows, :], out.astype(out_ref.dtype),
               mask=rmask[:, None])
@@ -501,7 +478,7 @@ def _full(shape):
 
 @functools.partial(jax.jit, static_argnames=("spec", "fallback"))
 def fold_decode(q, k_pages, v_pages, block_table, lengths, anchors, *,
-                spec: DecodeSpec, v_res=None, v_scale=None, summaries=None,
+                spec: DecodeSpec, summaries=None,
                 sinks=None, k_scales=None, v_scales=None,
                 fallback: bool = True):
   """Decode attention over a paged cache (see the module docstring).
@@ -512,7 +489,6 @@ def fold_decode(q, k_pages, v_pages, block_table, lengths, anchors, *,
     block_table: int32 [batch, max_pages]; lengths: int32 [batch].
     anchors: [batch, max_pages, heads_kv, d_pad], the first key of each
       logical page (`page_anchors`; FoldKVCache keeps it up to date).
-    v_res, v_scale: the residual E4M3 plane and float32 [1] scale (v8).
     k_scales, v_scales: float32 [num_pages, heads_kv] (spec.fp8: the pools
       hold FP8 entries).
     summaries: (kmax, kmin, ksum, ksumsq) [num_pages, heads_kv, d_pad]
@@ -527,8 +503,6 @@ def fold_decode(q, k_pages, v_pages, block_table, lengths, anchors, *,
   """
   batch, heads_kv = q.shape[:2]
   ins = [lengths, block_table, q, k_pages, v_pages, anchors]
-  if spec.v8:
-    ins.append(v_res)
   if spec.fp8:
     ins.extend([k_scales.astype(jnp.float32), v_scales.astype(jnp.float32)])
   if spec.summaries:
@@ -552,10 +526,7 @@ def fold_decode(q, k_pages, v_pages, block_table, lengths, anchors, *,
       out_specs=[_full(o.shape) for o in partial_shapes],
       out_shape=partial_shapes, compiler_params=params,
       interpret=spec.interpret, name="fold_decode_split")(*ins)
-  extra = []
-  if spec.v8:
-    extra.append(jnp.reshape(v_scale, (1,)).astype(f32))
-  args = ins + extra + list(partials)
+  args = ins + list(partials)
   out_shapes = [sds((batch, heads_kv, rs, spec.d_pad), q.dtype),
                 sds((batch, heads_kv, rp), f32)]
   out, used = pl.pallas_call(

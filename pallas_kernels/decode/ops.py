@@ -19,9 +19,6 @@ from pallas_kernels.decode.config import DecodeBlocks, decode_blocks_for, \
     default_num_splits
 from pallas_kernels.decode.kernel import DecodeSpec, _pow2, fold_decode
 
-# v8: the residual plane serves keys whose weight reaches 2^-V8_DEPTH of R.
-DEFAULT_V8_DEPTH = 12
-
 
 def head_dim_pad(head_dim: int) -> int:
   return _pow2(head_dim)
@@ -81,8 +78,7 @@ def page_summaries(k_pages, counts):
 def make_spec(*, heads_q: int, heads_kv: int, q_len: int, head_dim: int,
               page_size: int, chunk_tokens: int, dtype, batch: int,
               max_pages: int, softmax_scale=None, softcap: float = 0.0,
-              window_left: int = -1, depth=None, v8: bool = False,
-              v8_depth: int = DEFAULT_V8_DEPTH, has_sinks: bool = False,
+              window_left: int = -1, depth=None, has_sinks: bool = False,
               fp8: bool = False, num_splits=None, interpret: bool = False,
               compute_capability=None,
               blocks: DecodeBlocks | None = None) -> DecodeSpec:
@@ -102,7 +98,7 @@ def make_spec(*, heads_q: int, heads_kv: int, q_len: int, head_dim: int,
       num_warps=blocks.num_warps, num_stages=blocks.num_stages,
       n_splits=int(num_splits), scale=scale, softcap=float(softcap),
       left=int(window_left), depth=None if depth is None else int(depth),
-      v8=bool(v8), v8_depth=int(v8_depth), has_sinks=has_sinks,
+      has_sinks=has_sinks,
       interpret=interpret, fp8=bool(fp8))
 
 
@@ -117,8 +113,7 @@ def paged_decode(q, k_pages, v_pages, block_table, lengths, *, anchors=None,
                  page_size=None,
                  chunk_tokens: int, softmax_scale=None, sinks=None,
                  window_left: int = -1, softcap: float = 0.0, depth=None,
-                 v_res=None, v_scale=None, summaries=None,
-                 v8_depth: int = DEFAULT_V8_DEPTH, num_splits=None,
+                 summaries=None, num_splits=None,
                  interpret: bool = False, compute_capability=None,
                  blocks: DecodeBlocks | None = None, fallback: bool = True,
                  return_reference: bool = False, k_scales=None,
@@ -127,9 +122,9 @@ def paged_decode(q, k_pages, v_pages, block_table, lengths, *, anchors=None,
   heads_q, head_dim]) -> the same shape, in q's dtype.
 
   k_pages, v_pages: [num_pages, page_size, heads_kv, d_pad] with d_pad =
-  head_dim rounded up to a power of two >= 16 (zero padded). v8 when v_res
-  is given (v_pages is then the coarse plane). anchors: `page_anchors(k_pages,
-  block_table)` (computed here when None; a cache keeps it incrementally).
+  head_dim rounded up to a power of two >= 16 (zero padded). anchors:
+  `page_anchors(k_pages, block_table)` (computed here when None; a cache
+  keeps it incrementally).
   FP8 when k_scales and v_scales (float32 [num_pages, heads_kv]) are given:
   the pools hold FP8 entries (`pallas_kernels.decode.fp8`) and anchors, if
   passed, are the dequantised first keys in q's dtype.
@@ -140,19 +135,16 @@ def paged_decode(q, k_pages, v_pages, block_table, lengths, *, anchors=None,
   b, q_len, hq, d = q.shape
   hkv = k_pages.shape[2]
   page_size = k_pages.shape[1] if page_size is None else page_size
-  v8 = v_res is not None
   fp8 = k_scales is not None
   if fp8 != (v_scales is not None):
     raise ValueError("pass both k_scales and v_scales (FP8 pages), or "
                      "neither.")
-  if fp8 and v8:
-    raise ValueError("v8 (v_res) and FP8 pages (k_scales) are exclusive.")
   spec = make_spec(heads_q=hq, heads_kv=hkv, q_len=q_len, head_dim=d,
                    page_size=page_size, chunk_tokens=chunk_tokens,
                    dtype=q.dtype, batch=b, max_pages=block_table.shape[1],
                    softmax_scale=softmax_scale, softcap=softcap,
-                   window_left=window_left, depth=depth, v8=v8,
-                   v8_depth=v8_depth, has_sinks=sinks is not None,
+                   window_left=window_left, depth=depth,
+                   has_sinks=sinks is not None,
                    fp8=fp8, num_splits=num_splits, interpret=interpret,
                    compute_capability=compute_capability, blocks=blocks)
   if spec.summaries and summaries is None:
@@ -167,24 +159,22 @@ def paged_decode(q, k_pages, v_pages, block_table, lengths, *, anchors=None,
       anchors = page_anchors(k_pages, block_table)
   out, ref = _paged_decode(
       q, k_pages, v_pages, block_table, jnp.asarray(lengths, jnp.int32),
-      anchors, v_res, v_scale,
-      summaries if spec.summaries else None, sinks, k_scales, v_scales,
-      spec=spec, fallback=fallback)
+      anchors, summaries if spec.summaries else None, sinks, k_scales,
+      v_scales, spec=spec, fallback=fallback)
   if squeeze:
     out = out[:, 0]
   return (out, ref) if return_reference else out
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "fallback"))
-def _paged_decode(q, k_pages, v_pages, block_table, lengths, anchors, v_res,
-                  v_scale, summaries, sinks, k_scales, v_scales, *, spec,
-                  fallback):
+def _paged_decode(q, k_pages, v_pages, block_table, lengths, anchors,
+                  summaries, sinks, k_scales, v_scales, *, spec, fallback):
   b, q_len, hq, d = q.shape
   qa = arrange_queries(q, k_pages.shape[2], spec.d_pad)
   out, ref = fold_decode(qa, k_pages, v_pages, block_table, lengths, anchors,
-                         spec=spec, v_res=v_res, v_scale=v_scale,
-                         summaries=summaries, sinks=sinks, k_scales=k_scales,
-                         v_scales=v_scales, fallback=fallback)
+                         spec=spec, summaries=summaries, sinks=sinks,
+                         k_scales=k_scales, v_scales=v_scales,
+                         fallback=fallback)
   return unarrange_output(out, q_len, hq, d), ref
 
 

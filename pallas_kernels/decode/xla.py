@@ -1,14 +1,16 @@
-"""Pure-JAX decode over a paged cache with the decode kernel's exact semantics.
+"""The "xla" backend of the decode op: pure JAX over a paged cache, with the
+decode kernel's exact semantics (inference only: no autodiff).
 
-`backend="xla"` (and "auto" without an NVIDIA GPU) runs this. It gathers each
-sequence's pages into a contiguous [batch, max_pages * page_size] view and
-computes, in float32, what `pallas_kernels.decode` computes: the same declared
+`backend="xla"` (and "auto" without an NVIDIA GPU) runs this, through
+`pallas_kernels.decode.core.decode`. It gathers each sequence's pages into a
+contiguous [batch, max_pages * page_size] view and computes, in float32, what
+the Pallas kernel (`pallas_kernels.decode.kernel`) computes: the same declared
 reference R (the same sampled keys), the same overflow fallback (R := M for
-rows with M - R > OVERFLOW_MARGIN), the same `depth` cut and mass estimate and
-the same `v8` decoding with the same residual-plane rule. It is a model of the
-kernel's arithmetic, not of its summation order: results agree with the kernel
-to rounding, not bitwise. Memory is O(batch * max_len): a fallback, not a
-serving path.
+rows with M - R > OVERFLOW_MARGIN) and the same `depth` cut and mass
+estimate. It is a model of the kernel's arithmetic, not of its summation
+order: results agree with the kernel to rounding, not bitwise. Memory is
+O(batch * max_len): a fallback, not a serving path. FP8 pools are
+dequantised first (`pallas_kernels.decode.fp8.dequantise_pages`, exact).
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.decode.config import SAMPLE_TILE
-from pallas_kernels.decode.kernel import OVERFLOW_MARGIN, V8_RES_SHIFT
+from pallas_kernels.decode.kernel import OVERFLOW_MARGIN
 from pallas_kernels.flash.tiles import LN2, LOG2E
 from pallas_kernels.reference.decode import gather_pages
+
+__all__ = ["xla_decode"]
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -33,12 +37,16 @@ def _capped(x2, softcap: float):
 
 def xla_decode(q, k_pages, v_pages, block_table, lengths, *,
                softmax_scale=None, sinks=None, window_left: int = -1,
-               softcap: float = 0.0, depth=None, v_res=None, v_scale=None,
-               summaries=None, v8_depth: int = 12, return_reference=False):
+               softcap: float = 0.0, depth=None, summaries=None,
+               return_reference=False):
   """q [batch, (q_len,) heads_q, head_dim] -> same shape, q's dtype.
 
-  Page pools as in `pallas_kernels.decode.paged_decode` (head dim may be
-  zero-padded; the padding is ignored).
+  k_pages, v_pages: [num_pages, page_size, heads_kv, d_pad] in a float dtype
+  (head dim may be zero-padded; the padding is ignored); block_table int32
+  [batch, max_pages]; lengths int32 [batch]; summaries as
+  `pallas_kernels.decode.page_summaries` (with depth only). With
+  return_reference, also the float32 declared references [batch, heads_kv,
+  rows] used.
   """
   squeeze = q.ndim == 3
   if squeeze:
@@ -49,7 +57,6 @@ def xla_decode(q, k_pages, v_pages, block_table, lengths, *,
   rows = g * q_len
   scale = (1.0 / d ** 0.5) if softmax_scale is None else float(softmax_scale)
   c2 = scale * LOG2E
-  v8 = v_res is not None
   bt = jnp.asarray(block_table, jnp.int32)
   lengths = jnp.asarray(lengths, jnp.int32)
 
@@ -102,11 +109,7 @@ def xla_decode(q, k_pages, v_pages, block_table, lengths, *,
     e = _capped(jnp.minimum(mu2 + 0.5 * LN2 * var2, u_raw * c2), softcap)
     to_key = lambda x: jnp.repeat(x, s, axis=-1)  # noqa: E731
 
-  if v8:
-    vc = gather_pages(v_pages, bt)[..., :d].astype(jnp.float32)
-    vr = gather_pages(v_res, bt)[..., :d].astype(jnp.float32)
-  else:
-    vv = gather_pages(v_pages, bt)[..., :d].astype(jnp.float32)
+  vv = gather_pages(v_pages, bt)[..., :d].astype(jnp.float32)
 
   def attend(r):
     use = vis
@@ -124,14 +127,7 @@ def xla_decode(q, k_pages, v_pages, block_table, lengths, *,
       num = jnp.where(rel >= -depth, p, 0.0)
     if sink2 is not None:
       l = l + jnp.exp2(sink2 - r)
-    if v8:
-      fine = jnp.where(rel >= -v8_depth, num, 0.0)
-      acc = jnp.einsum("bhrt,bthd->bhrd", num, vc, precision=_HIGHEST)
-      acc = acc + jnp.einsum("bhrt,bthd->bhrd", fine, vr,
-                             precision=_HIGHEST) * 2.0 ** -V8_RES_SHIFT
-      acc = acc * jnp.asarray(v_scale, jnp.float32).reshape(())
-    else:
-      acc = jnp.einsum("bhrt,bthd->bhrd", num, vv, precision=_HIGHEST)
+    acc = jnp.einsum("bhrt,bthd->bhrd", num, vv, precision=_HIGHEST)
     out = jnp.where((l > 0)[..., None], acc / jnp.where(l > 0, l, 1.0)[
         ..., None], 0.0)
     return out, m
