@@ -1192,7 +1192,7 @@ def test_deberta_used_lengths_match_the_jax_side():
   same as the JAX path's (right-padded rows: their length; others:
   MASKED_ROW, -1)."""
   import jax.numpy as jnp
-  from jax_api.deberta.attention import _used_lengths
+  from pallas_kernels.deberta.core import used_lengths as _used_lengths
   from torch_bridge import _direct, _direct_deberta  # noqa: F401
   s = 12
   mask = torch.ones(5, s, dtype=torch.int32)
