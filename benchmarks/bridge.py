@@ -752,11 +752,15 @@ def jax_api_direct(suite: Suite, case: AttnCase, dtname: str,
 def run(args, argv, command_prefix: str = "python -m benchmarks.run") -> dict:
   """The suite (`benchmarks.run --child bridge` calls this)."""
   try:
-    import torch_bridge  # first: sets JAX's allocator before JAX starts
+    import torch_bridge
     import torch_bridge.hf  # noqa: F401
   except Exception as e:  # noqa: BLE001
     return dict(status="not available", records=[],
                 note=f"torch_bridge: {D._err(e)}")
+  try:
+    torch_bridge.configure_jax_allocator()
+  except RuntimeError as e:  # JAX started first: its allocator stays
+    print(f"bridge: {e}", file=sys.stderr)
   import jax
   import torch
   gpu = (torch.cuda.is_available() and jax.devices()[0].platform == "gpu"

@@ -477,6 +477,7 @@ def _graphs(q, k, v, do, causal, iters, device) -> dict:
 
 
 def main(argv=None):
+  tb.configure_jax_allocator()  # before JAX starts
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--seq", type=int, nargs="*", default=[128, 4096])
   p.add_argument("--batch", type=int, default=1)

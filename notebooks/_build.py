@@ -65,9 +65,12 @@ print(f"jax {jax.__version__} | BACKEND={BACKEND!r} | small sizes: {SMALL}")
 '''
 
 
-def header(title: str, intro: str) -> list:
+def header(title: str, intro: str, before_jax: str | None = None) -> list:
+  """Title, the install cell and the backend cell (which starts JAX), that
+  one led by `before_jax` where given."""
+  backend = BACKEND if before_jax is None else before_jax + "\n" + BACKEND
   return [new_markdown_cell(f"# {title}\n\n{intro.strip()}"),
-          new_code_cell(INSTALL), new_code_cell(BACKEND)]
+          new_code_cell(INSTALL), new_code_cell(backend)]
 
 
 def md(s: str):
@@ -261,17 +264,27 @@ assert identical
 ]
 
 # ----------------------------------------------------------------------------
+ALLOCATOR = '''\
+# Before JAX starts (below): JAX would take 75% of the GPU up front,
+# leaving torch a quarter; this makes JAX's GPU memory grow on demand instead.
+try:
+    import torch_bridge
+    torch_bridge.configure_jax_allocator()
+except ImportError:
+    pass  # no torch here: the cells below say so
+'''
+
 NB03 = header("foldax from PyTorch and Hugging Face", """
 `torch_bridge` runs the same kernels on torch tensors (through DLPack, no
 copies on the GPU): `torch_bridge.fold_attn_func` as a torch autograd
 function, `attn_implementation="fold"` for Hugging Face decoder models, and
 `torch_bridge.optimize_deberta(model)` for DeBERTa-v2/v3. Each section checks
-what this installation provides and says so when a part is not there yet.""") + [
+what this installation provides and says so when a part is not there yet.""", ALLOCATOR) + [
     code('''
 import importlib, importlib.util, warnings
 warnings.filterwarnings("ignore", message="IProgress not found")  # tqdm in a bare kernel
 try:
-    import torch_bridge   # before JAX allocates GPU memory: the bridge configures JAX's allocator
+    import torch_bridge
     import torch
 except ImportError as e:  # torch is an extra: pip install "foldax[torch]"
     print("PyTorch or torch_bridge is not installed:", e)

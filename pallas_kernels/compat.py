@@ -7,7 +7,8 @@ the package imports `jax._src`.
 
 Used by: `flash._atomics` (the integer-grid atomic add lowering),
 `pip_triton` (compiling Pallas's Triton IR with pip Triton) and `triton_ir`
-(capturing that IR).
+(capturing that IR); `device.backends_initialised` (whether JAX has made
+its backends, so XLA_FLAGS and the allocator variables no longer change).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 from jax._src import core as jax_core  # noqa: F401
 from jax._src import state  # noqa: F401
 from jax._src import tree_util  # noqa: F401
+from jax._src import xla_bridge  # noqa: F401
 from jax._src.interpreters import mlir  # noqa: F401
 from jax._src.lib.triton import dialect as tt_dialect  # noqa: F401
 from jax._src.pallas import core as pallas_core  # noqa: F401
@@ -41,6 +43,7 @@ USED = {
     "jax_core": (),
     "state": (),
     "tree_util": (),
+    "xla_bridge": ("backends_are_initialized",),
     "mlir": ("sanitize_name",),
     "gpu_triton": ("TritonKernel", "TritonKernelCall",
                    "create_array_parameter"),

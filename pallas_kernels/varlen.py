@@ -1,6 +1,6 @@
-"""Which sequence each token of a packed batch belongs to: the one
-`searchsorted` over `cu_seqlens` that the kernels' wrappers, the references
-and the models share.
+"""Which sequence each token of a packed batch belongs to, and its position
+there: the one `searchsorted` over `cu_seqlens` that the kernels' wrappers,
+the references and the models share.
 
 cu_seqlens: int [num_seqs + 1], non-decreasing offsets; total: the packed
 length (static), which may run past cu_seqlens[-1] (padding tokens).
@@ -26,3 +26,12 @@ def token_seq_ids_clipped(cu_seqlens, total: int) -> jax.Array:
   cu_seqlens[:-1] for every token; callers mask the padding tokens)."""
   return jnp.clip(token_seq_ids(cu_seqlens, total), 0,
                   jnp.asarray(cu_seqlens).shape[0] - 2)
+
+
+def token_positions(cu_seqlens, total: int) -> jax.Array:
+  """int32 [total]: each token's position in its sequence, t -
+  cu_seqlens[s] (tokens past cu_seqlens[-1] count on from the last
+  sequence's start; callers mask them)."""
+  cu = jnp.asarray(cu_seqlens, jnp.int32)
+  t = jnp.arange(total, dtype=jnp.int32)
+  return t - cu[token_seq_ids_clipped(cu, total)]

@@ -21,9 +21,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = ("pallas_kernels", "jax_api", "torch_bridge")
 MAX_LINES = 600
 # Still to split (issue 28, open): each must shrink, none may join them.
-OVER_THE_LIMIT_FOR_NOW = {"jax_api.train"}
+OVER_THE_LIMIT_FOR_NOW: set[str] = set()
 ENV_MODULES = {"pallas_kernels": {"pallas_kernels.settings"},
-               "jax_api": {"jax_api.train"},
+               "jax_api": {"jax_api._xla_flags"},
                "torch_bridge": {"torch_bridge.settings"}}
 
 

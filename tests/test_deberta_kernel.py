@@ -154,7 +154,7 @@ def test_used_lengths_skip_padding_with_the_same_bits(split):
   0 / +inf and does not read their token mask. Same bits as the token mask
   alone; rows that are not right-padded (left padding, a hole) keep their
   whole slot and their mask (MASKED_ROW)."""
-  from jax_api.deberta.attention import _used_lengths
+  from pallas_kernels.deberta.core import used_lengths as _used_lengths
   from pallas_kernels.deberta.config import KernelConfig, blocks_for
   from pallas_kernels.deberta.forward import disentangled_forward
   b, s, h, d = 5, 45, 2, 16

@@ -514,20 +514,6 @@ def test_static_options_cache_still_validates():
   assert not torch.equal(o1, o3) and len(A._dense_statics) == 2
 
 
-def test_import_sets_jax_allocator_before_jax_starts():
-  code = ("import os, torch_bridge; "
-          "print(os.environ.get('XLA_PYTHON_CLIENT_PREALLOCATE'))")
-  env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_PYTHON")}
-  r = subprocess.run([sys.executable, "-c", code], env=env,
-                     capture_output=True, text=True, timeout=120)
-  assert r.returncode == 0, r.stderr
-  assert r.stdout.strip() == "false"
-  env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = ".5"
-  r = subprocess.run([sys.executable, "-c", code], env=env,
-                     capture_output=True, text=True, timeout=120)
-  assert r.stdout.strip() == "None"  # the user's choice wins
-
-
 def test_cpu_backend_is_announced_once(caplog):
   from torch_bridge import attention as A
   rt._announced.discard(next((m for m in rt._announced if "XLA path" in m),
@@ -1192,7 +1178,7 @@ def test_deberta_used_lengths_match_the_jax_side():
   same as the JAX path's (right-padded rows: their length; others:
   MASKED_ROW, -1)."""
   import jax.numpy as jnp
-  from jax_api.deberta.attention import _used_lengths
+  from pallas_kernels.deberta.core import used_lengths as _used_lengths
   from torch_bridge import _direct, _direct_deberta  # noqa: F401
   s = 12
   mask = torch.ones(5, s, dtype=torch.int32)

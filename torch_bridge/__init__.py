@@ -1,6 +1,7 @@
 """PyTorch bridge to foldax's attention kernels (through DLPack).
 
-    import torch_bridge                      # before JAX starts, see below
+    import torch_bridge
+    torch_bridge.configure_jax_allocator()   # before JAX starts, see below
     out = torch_bridge.fold_attn_func(q, k, v, causal=True)   # [b, s, h, d]
     out = torch_bridge.fold_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk)
     torch_bridge.hf.register()               # attn_implementation="fold"
@@ -8,12 +9,13 @@
     cache = torch_bridge.FoldKVCache.create(b, hq, hkv, d, max_len)   # decode
     out = torch_bridge.fold_attn_with_kvcache(q, cache, k_new, v_new)
 
-GPU memory: importing this package sets XLA_PYTHON_CLIENT_PREALLOCATE=false
-(unless XLA_PYTHON_CLIENT_PREALLOCATE, XLA_PYTHON_CLIENT_MEM_FRACTION or
-XLA_PYTHON_CLIENT_ALLOCATOR is already set) so that JAX does not take 75% of
-the GPU underneath torch when its backend starts; it must therefore be
-imported before JAX initialises its backends (before any JAX computation). If
-JAX was already initialised, the bridge warns once on GPU machines.
+GPU memory: JAX preallocates 75% of every GPU when its backends start,
+underneath torch. Call `torch_bridge.configure_jax_allocator()` before any
+JAX computation to make JAX's allocator grow on demand instead (it sets
+XLA_PYTHON_CLIENT_PREALLOCATE=false unless an allocator variable is set
+already). Importing the package changes nothing; if no allocator variable is
+set at the bridge's first call on a CUDA machine, the bridge applies that
+default itself before starting JAX and says so once.
 
 Backends: on CUDA GPUs of compute capability 8.0+ (with the CUDA jaxlib) the
 Pallas/Triton kernel runs; on the CPU, or a GPU below 8.0 (e.g. a T4), the
@@ -24,22 +26,17 @@ Float64 inputs (for `torch.autograd.gradcheck`) run the XLA path with
 Streams, DLPack and lifetimes: see `torch_bridge._runtime`.
 """
 
-from torch_bridge import _runtime, settings
-
-_SET_ALLOCATOR = settings.configure_jax_allocator()
-_runtime.warn_if_jax_initialised_early(_SET_ALLOCATOR)
-
-from torch_bridge.attention import (fold_attn_func,  # noqa: E402
-                                    fold_attn_varlen_func, resolve_backend)
-from torch_bridge import deberta  # noqa: E402
-from torch_bridge.deberta import (disentangled_attention,  # noqa: E402
-                                  optimize_deberta)
-from torch_bridge.kvcache import (FoldKVCache,  # noqa: E402
-                                  fold_attn_with_kvcache)
+from torch_bridge.settings import configure_jax_allocator
+from torch_bridge.attention import (fold_attn_func, fold_attn_varlen_func,
+                                    resolve_backend)
+from torch_bridge import deberta
+from torch_bridge.deberta import disentangled_attention, optimize_deberta
+from torch_bridge.kvcache import FoldKVCache, fold_attn_with_kvcache
 
 __all__ = ["fold_attn_func", "fold_attn_varlen_func", "resolve_backend",
            "disentangled_attention", "optimize_deberta", "deberta",
-           "FoldKVCache", "fold_attn_with_kvcache", "hf"]
+           "FoldKVCache", "fold_attn_with_kvcache", "configure_jax_allocator",
+           "hf"]
 
 
 def __getattr__(name):

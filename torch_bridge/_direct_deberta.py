@@ -17,7 +17,7 @@ from torch_bridge._direct import (_cached_plan, _jax_dtype, _Kernels,
 
 
 def _used_lengths(valid: torch.Tensor, s: int) -> torch.Tensor:
-  """`jax_api.deberta.attention._used_lengths` in torch: int32 [b], a
+  """`pallas_kernels.deberta.core.used_lengths` in torch: int32 [b], a
   right-padded (or unpadded) row's valid length, else MASKED_ROW (on the
   device, no sync)."""
   from pallas_kernels.deberta.forward import MASKED_ROW

@@ -1,21 +1,23 @@
 """Process-level plumbing of the bridge: JAX's GPU allocator, the backend
 choice per torch device, and the DLPack hand-off with stream ordering.
 
-Imported by `torch_bridge/__init__.py` before anything imports JAX's backends.
 
 Allocator
 ---------
 JAX preallocates 75% of every GPU when its GPU backend starts
 (`XLA_PYTHON_CLIENT_PREALLOCATE`, default true), which would leave torch a
-quarter of the card. Unless the user set `XLA_PYTHON_CLIENT_PREALLOCATE`,
-`XLA_PYTHON_CLIENT_MEM_FRACTION` or `XLA_PYTHON_CLIENT_ALLOCATOR` themselves,
-importing the bridge sets `XLA_PYTHON_CLIENT_PREALLOCATE=false`: JAX's BFC
-allocator then grows on demand (up to the default 75% cap, shared with
-torch's caching allocator; memory JAX has taken stays in JAX's pool for reuse
-by later JAX calls). Outputs of bridge calls live in JAX's pool and are
-borrowed by torch through DLPack. If JAX's backends were already initialised
-when the bridge was imported, the setting cannot take effect; the bridge
-warns once (on GPU machines only) when that may have preallocated.
+quarter of the card. `torch_bridge.configure_jax_allocator()`, called before
+JAX starts, sets `XLA_PYTHON_CLIENT_PREALLOCATE=false` unless the user set
+an allocator variable: JAX's BFC allocator then grows on demand (up to the
+default 75% cap, shared with torch's caching allocator; memory JAX has taken
+stays in JAX's pool for reuse by later JAX calls). Importing the bridge
+changes nothing. At its first call (`check_jax_allocator`, before the bridge
+makes JAX start its backends), on a machine with a CUDA GPU and no
+allocator variable set, the bridge applies that default itself and says so
+once, naming the call that makes the choice explicit; if JAX's backends
+had already started with the default allocator, it warns once instead.
+Outputs of bridge calls live in JAX's pool and are borrowed by torch
+through DLPack.
 
 DLPack and streams (GPU)
 ------------------------
@@ -99,31 +101,39 @@ def refuse_in_graph_capture(device, what: str) -> None:
         "graph.")
 
 
-def warn_if_jax_initialised_early(set_by_us: bool) -> None:
-  """Warns (once) if JAX's GPU backend started before the bridge could set
-  its allocator: it may then hold 75% of the GPU."""
-  import sys
-  if not set_by_us or "jax" not in sys.modules:
+_allocator_checked = False
+
+
+def check_jax_allocator() -> None:
+  """Once per process, before the bridge's first call makes JAX start its
+  backends (see the module docstring): with a CUDA GPU and no allocator
+  variable set, applies `configure_jax_allocator()` and says so; when JAX's
+  backends already started that way, warns that JAX may hold 75% of the
+  GPU."""
+  global _allocator_checked
+  if _allocator_checked:
     return
-  try:
-    from torch_bridge import compat
-    initialised = compat.xla_bridge.backends_are_initialized()
-  except Exception:  # pragma: no cover - private API moved
+  _allocator_checked = True
+  import torch
+  if settings.allocator_chosen() or not torch.cuda.is_available():
     return
-  if not initialised:
-    return
-  import jax
-  try:
-    gpu = any(d.platform == "gpu" for d in jax.devices())
-  except RuntimeError:
-    gpu = False
-  if gpu:
+  from pallas_kernels import device
+  if device.backends_initialised():
     announce(
-        "torch_bridge: JAX's GPU backend was initialised before torch_bridge "
-        "was imported, so XLA_PYTHON_CLIENT_PREALLOCATE=false came too late; "
-        "JAX may have preallocated 75% of the GPU underneath torch. Import "
-        "torch_bridge (or set XLA_PYTHON_CLIENT_PREALLOCATE=false) before "
-        "using JAX.")
+        "torch_bridge: JAX's backends started before the bridge's first "
+        "call with JAX's default GPU allocator, which preallocates 75% of "
+        "the GPU underneath torch. Call torch_bridge.configure_jax_allocator() "
+        "before any JAX computation (or set XLA_PYTHON_CLIENT_PREALLOCATE="
+        "false before starting Python).")
+    return
+  settings.configure_jax_allocator()
+  announce(
+      "torch_bridge: no JAX GPU allocator setting; before starting JAX for "
+      "its first call the bridge set XLA_PYTHON_CLIENT_PREALLOCATE=false so "
+      "that JAX does not preallocate 75% of the GPU underneath torch. Call "
+      "torch_bridge.configure_jax_allocator() before JAX starts (or set "
+      "XLA_PYTHON_CLIENT_PREALLOCATE / _MEM_FRACTION / _ALLOCATOR) to make "
+      "the choice yourself.")
 
 
 # ----------------------------------------------------------------------------
@@ -210,6 +220,7 @@ def target_for(device, dtype, backend: str = "auto") -> Target:
 
 
 def _make_target(device, dtype, backend: str) -> Target:
+  check_jax_allocator()  # before jax.devices() starts JAX's backends
   import jax
   import torch
   if backend not in ("auto", "pallas", "interpret", "xla"):

@@ -38,10 +38,12 @@ Direct launch: on CUDA, an inference forward (no dropout, not packed)
 launches the Pallas kernels' Triton IR on torch's stream instead
 (`torch_bridge._direct_deberta.DebertaPlan`; FOLDAX_TORCH_LAUNCH=jax turns it off).
 
-Backward: the JAX VJP of `disentangled_attention` (jitted, per static
-configuration) recomputes the forward it differentiates: one extra forward
-per backward, the price of not depending on the kernel's private residual
-layout (the dense bridge does reuse its residuals).
+Backward: the op's core (`pallas_kernels.deberta.core.backward`, jitted per
+static configuration; the XLA backend: `jax.vjp` of
+`pallas_kernels.deberta.xla.forward`), the bits of `jax.vjp` of
+`jax_api.deberta.disentangled_attention`. The op saves only its inputs, so
+the backward recomputes the forward's residuals (out and the LSE): one
+extra forward per backward (the dense bridge does reuse its residuals).
 """
 
 from __future__ import annotations
@@ -122,6 +124,9 @@ def deberta_fwd(q: Tensor, k: Tensor, v: Tensor, pos_key: Optional[Tensor],
                 position_buckets: int, max_relative_positions: int,
                 c2p: bool, p2c: bool, dropout_rate: float,
                 max_seqlen: int) -> Tensor:
+  # Called directly (not through `disentangled_attention`) the op still
+  # refuses a q/k/v layout the kernels would misread.
+  _check_qkv(q, k, v, packed=cu is not None)
   cfg = _static(backend, position_buckets, max_relative_positions, c2p, p2c,
                 dropout_rate, max_seqlen)
   return _fwd_impl(q, k, v, pos_key, pos_query, mask, cu, seed, cfg)

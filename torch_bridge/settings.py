@@ -16,19 +16,21 @@ so a test or a benchmark may change one between calls.
                             one GEMM
   FOLDAX_HF_BUCKETS         "1" (default) / "0": bucket HF sequence lengths
 
-JAX's GPU allocator: `configure_jax_allocator` (called when the package is
-imported, before JAX starts) sets XLA_PYTHON_CLIENT_PREALLOCATE=false unless
-the user chose an allocator setting, so that JAX does not take 75% of the
-GPU underneath torch.
+JAX's GPU allocator: importing the package changes nothing in the
+environment. `configure_jax_allocator()` (public as
+`torch_bridge.configure_jax_allocator`), called before JAX starts its
+backends, makes JAX's allocator grow on demand instead of taking 75% of the
+GPU underneath torch; without it the bridge applies the same default at its
+first call and says so once (`torch_bridge._runtime.check_jax_allocator`).
 """
 
 from __future__ import annotations
 
 import os
 
-ALLOCATOR_VARIABLES = ("XLA_PYTHON_CLIENT_PREALLOCATE",
-                       "XLA_PYTHON_CLIENT_MEM_FRACTION",
-                       "XLA_PYTHON_CLIENT_ALLOCATOR")
+from pallas_kernels import device
+
+ALLOCATOR_VARIABLES = device.ALLOCATOR_VARIABLES
 
 
 def _choice(var: str, default: str, allowed: tuple[str, ...]) -> str:
@@ -71,10 +73,39 @@ def hf_buckets() -> bool:
   return _flag("FOLDAX_HF_BUCKETS")
 
 
+def allocator_chosen() -> bool:
+  """Whether one of ALLOCATOR_VARIABLES (JAX's GPU allocator) is set."""
+  return any(v in os.environ for v in ALLOCATOR_VARIABLES)
+
+
 def configure_jax_allocator() -> bool:
-  """Sets XLA_PYTHON_CLIENT_PREALLOCATE=false unless the user chose an
-  allocator setting. Returns True when it set the variable."""
-  if any(v in os.environ for v in ALLOCATOR_VARIABLES):
+  """Makes JAX's GPU allocator grow on demand, for sharing the GPU with torch.
+
+  JAX preallocates 75% of every GPU when its GPU backend starts, which
+  leaves torch a quarter of the card. This sets
+  XLA_PYTHON_CLIENT_PREALLOCATE=false (JAX's BFC allocator then takes what
+  it uses, up to the same 75% cap, and keeps it pooled for later JAX calls)
+  unless one of XLA_PYTHON_CLIENT_PREALLOCATE,
+  XLA_PYTHON_CLIENT_MEM_FRACTION or XLA_PYTHON_CLIENT_ALLOCATOR is already
+  set: the user's choice wins. JAX reads these once, when its backends
+  start (the first `jax.devices()`, array or compilation), so call this
+  before any JAX computation; calling it again is harmless.
+
+  Returns True when it set the variable, False when an allocator setting
+  was there already or JAX started without a GPU (nothing to share).
+  Raises RuntimeError when JAX's GPU backend has already started with no
+  allocator setting (the variable would change nothing).
+  """
+  if allocator_chosen():
     return False
+  if device.backends_initialised():
+    import jax
+    if all(d.platform != "gpu" for d in jax.devices()):
+      return False
+    raise RuntimeError(
+        "configure_jax_allocator() was called after JAX started its "
+        "backends, so it can no longer change JAX's GPU allocator (JAX may "
+        "hold 75% of the GPU). Call it before any JAX computation, or set "
+        "XLA_PYTHON_CLIENT_PREALLOCATE=false before starting Python.")
   os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
   return True

@@ -32,6 +32,7 @@ initialises its backend.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -39,9 +40,10 @@ import jax
 import jax.numpy as jnp
 
 from jax_api import _lean_ops as lean
+from jax_api.deberta import _stack
 from jax_api.deberta.attention import disentangled_attention
 from jax_api.deberta.config import DebertaV2Config, activation  # noqa: F401
-from pallas_kernels.varlen import token_seq_ids, token_seq_ids_clipped
+from pallas_kernels.varlen import token_seq_ids
 
 
 def _dense(features, m: "_Common", use_bias=True, name=None):
@@ -203,17 +205,9 @@ class DebertaV2Intermediate(_Common):
     return activation(self.config.hidden_act)(self.dense(hidden))
 
 
-class DebertaV2Output(_Common):
-
-  def setup(self):
-    cfg = self.config
-    self.dense = _dense(cfg.hidden_size, self)
-    self.LayerNorm = _layer_norm(cfg, self.dtype, self.param_dtype)
-    self.dropout = lean.Dropout(cfg.hidden_dropout_prob)
-
-  def __call__(self, hidden, input_tensor, deterministic=True):
-    h = self.dropout(self.dense(hidden), deterministic=deterministic)
-    return self.LayerNorm(h + input_tensor)
+class DebertaV2Output(DebertaV2SelfOutput):
+  """The feed-forward block's output (HF `DebertaV2Output`): the same
+  dense, dropout, residual and LayerNorm as the attention's."""
 
 
 class DebertaV2Layer(_Common):
@@ -386,24 +380,12 @@ class DebertaV2Encoder(_Common):
   def __call__(self, hidden, attention_mask=None, *, cu_seqlens=None,
                max_seqlen=None, deterministic: bool = True,
                output_hidden_states: bool = False):
-    cfg = self.config
-    if attention_mask is not None:
-      input_mask = attention_mask
-    elif cu_seqlens is not None:
-      input_mask = jnp.arange(hidden.shape[0]) < cu_seqlens[-1]
-    else:
-      input_mask = jnp.ones(hidden.shape[:-1], hidden.dtype)
-    rel = self.get_rel_embedding()
-    states = [hidden]
-    h = hidden
-    for i in range(cfg.num_hidden_layers):
-      h = self.layer(i, h, attention_mask, rel, cu_seqlens=cu_seqlens,
-                     max_seqlen=max_seqlen, deterministic=deterministic)
-      if i == 0 and cfg.conv_kernel_size > 0:
-        h = self.conv(hidden, h, input_mask, cu_seqlens=cu_seqlens,
-                      deterministic=deterministic)
-      states.append(h)
-    return (h, tuple(states)) if output_hidden_states else h
+    layers = [functools.partial(self.layer, i)
+              for i in range(self.config.num_hidden_layers)]
+    return _stack.encode(self, layers, self.get_rel_embedding(), hidden,
+                         attention_mask, cu_seqlens=cu_seqlens,
+                         max_seqlen=max_seqlen, deterministic=deterministic,
+                         output_hidden_states=output_hidden_states)
 
 
 class DebertaV2Embeddings(_Common):
@@ -426,28 +408,8 @@ class DebertaV2Embeddings(_Common):
 
   def __call__(self, input_ids, token_type_ids=None, position_ids=None,
                mask=None, deterministic=True):
-    cfg = self.config
-    x = self.word_embeddings(input_ids)
-    if cfg.position_biased_input:
-      x = x + self.position_embeddings(position_ids)
-    if cfg.type_vocab_size > 0:
-      if token_type_ids is None:
-        token_type_ids = jnp.zeros_like(input_ids)
-      x = x + self.token_type_embeddings(token_type_ids)
-    if (cfg.embedding_size or cfg.hidden_size) != cfg.hidden_size:
-      x = self.embed_proj(x)
-    x = self.LayerNorm(x)
-    if mask is not None:
-      x = x * mask[..., None].astype(x.dtype)
-    return self.dropout(x, deterministic=deterministic)
-
-
-def packed_positions(cu_seqlens, total: int):
-  """int32 [total]: position of each packed token in its sequence (0 past
-  cu_seqlens[-1])."""
-  t = jnp.arange(total, dtype=jnp.int32)
-  sid = token_seq_ids_clipped(cu_seqlens, total)
-  return jnp.where(t < cu_seqlens[-1], t - cu_seqlens[sid], 0)
+    return _stack.embed(self, input_ids, token_type_ids, position_ids, mask,
+                        deterministic)
 
 
 class DebertaV2Model(_Common):
@@ -468,29 +430,9 @@ class DebertaV2Model(_Common):
                position_ids=None, *, cu_seqlens=None, max_seqlen=None,
                deterministic: bool = True,
                output_hidden_states: bool = False):
-    if cu_seqlens is not None:
-      if input_ids.ndim != 1:
-        raise ValueError("with cu_seqlens, input_ids must be packed [total]; "
-                         f"got shape {tuple(input_ids.shape)}.")
-      if attention_mask is not None:
-        raise ValueError("attention_mask and cu_seqlens are exclusive.")
-      cu_seqlens = jnp.asarray(cu_seqlens, jnp.int32)
-      total = input_ids.shape[0]
-      mask = (jnp.arange(total) < cu_seqlens[-1]).astype(jnp.int32)
-      if position_ids is None:
-        position_ids = packed_positions(cu_seqlens, total)
-      emb = self.embeddings(input_ids, token_type_ids, position_ids, mask,
-                            deterministic=deterministic)
-      return self.encoder(emb, None, cu_seqlens=cu_seqlens,
-                          max_seqlen=max_seqlen, deterministic=deterministic,
-                          output_hidden_states=output_hidden_states)
-    if position_ids is None:
-      position_ids = jnp.broadcast_to(jnp.arange(input_ids.shape[-1]),
-                                      input_ids.shape)
-    mask = attention_mask
-    emb = self.embeddings(input_ids, token_type_ids, position_ids, mask,
-                          deterministic=deterministic)
-    return self.encoder(emb, mask, deterministic=deterministic,
+    return _stack.model(self, input_ids, attention_mask, token_type_ids,
+                        position_ids, cu_seqlens=cu_seqlens,
+                        max_seqlen=max_seqlen, deterministic=deterministic,
                         output_hidden_states=output_hidden_states)
 
 

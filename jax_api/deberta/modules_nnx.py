@@ -13,10 +13,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_api import _lean_ops as lean
+from jax_api.deberta import _stack
 from jax_api.deberta.modules import (DebertaV2Config, _conv1d, _ffn,
                                      _remat_mode,
-                                     _self_attention, activation,
-                                     packed_positions)
+                                     _self_attention, activation)
 
 
 def _nnx_linear(n_in, n_out, dtype, param_dtype, rngs, bias=True,
@@ -232,24 +232,10 @@ class DebertaV2EncoderNNX(nnx.Module):
   def __call__(self, hidden, attention_mask=None, *, cu_seqlens=None,
                max_seqlen=None, deterministic=None,
                output_hidden_states: bool = False):
-    cfg = self.config
-    if attention_mask is not None:
-      input_mask = attention_mask
-    elif cu_seqlens is not None:
-      input_mask = jnp.arange(hidden.shape[0]) < cu_seqlens[-1]
-    else:
-      input_mask = jnp.ones(hidden.shape[:-1], hidden.dtype)
-    rel = self.get_rel_embedding()
-    states = [hidden]
-    h = hidden
-    for i, layer in enumerate(self.layer):
-      h = layer(h, attention_mask, rel, cu_seqlens=cu_seqlens,
-                max_seqlen=max_seqlen, deterministic=deterministic)
-      if i == 0 and cfg.conv_kernel_size > 0:
-        h = self.conv(hidden, h, input_mask, cu_seqlens=cu_seqlens,
-                      deterministic=deterministic)
-      states.append(h)
-    return (h, tuple(states)) if output_hidden_states else h
+    return _stack.encode(self, list(self.layer), self.get_rel_embedding(),
+                         hidden, attention_mask, cu_seqlens=cu_seqlens,
+                         max_seqlen=max_seqlen, deterministic=deterministic,
+                         output_hidden_states=output_hidden_states)
 
 
 class _EmbeddingsNNX(nnx.Module):
@@ -274,20 +260,8 @@ class _EmbeddingsNNX(nnx.Module):
 
   def __call__(self, input_ids, token_type_ids=None, position_ids=None,
                mask=None, deterministic=None):
-    cfg = self.config
-    x = self.word_embeddings(input_ids)
-    if cfg.position_biased_input:
-      x = x + self.position_embeddings(position_ids)
-    if cfg.type_vocab_size > 0:
-      if token_type_ids is None:
-        token_type_ids = jnp.zeros_like(input_ids)
-      x = x + self.token_type_embeddings(token_type_ids)
-    if (cfg.embedding_size or cfg.hidden_size) != cfg.hidden_size:
-      x = self.embed_proj(x)
-    x = self.LayerNorm(x)
-    if mask is not None:
-      x = x * mask[..., None].astype(x.dtype)
-    return self.dropout(x, deterministic=deterministic)
+    return _stack.embed(self, input_ids, token_type_ids, position_ids, mask,
+                        deterministic)
 
 
 class DebertaV2ModelNNX(nnx.Module):
@@ -308,25 +282,9 @@ class DebertaV2ModelNNX(nnx.Module):
   def __call__(self, input_ids, attention_mask=None, token_type_ids=None,
                position_ids=None, *, cu_seqlens=None, max_seqlen=None,
                deterministic=None, output_hidden_states: bool = False):
-    if cu_seqlens is not None:
-      if attention_mask is not None:
-        raise ValueError("attention_mask and cu_seqlens are exclusive.")
-      cu_seqlens = jnp.asarray(cu_seqlens, jnp.int32)
-      total = input_ids.shape[0]
-      mask = (jnp.arange(total) < cu_seqlens[-1]).astype(jnp.int32)
-      if position_ids is None:
-        position_ids = packed_positions(cu_seqlens, total)
-      emb = self.embeddings(input_ids, token_type_ids, position_ids, mask,
-                            deterministic=deterministic)
-      return self.encoder(emb, None, cu_seqlens=cu_seqlens,
-                          max_seqlen=max_seqlen, deterministic=deterministic,
-                          output_hidden_states=output_hidden_states)
-    if position_ids is None:
-      position_ids = jnp.broadcast_to(jnp.arange(input_ids.shape[-1]),
-                                      input_ids.shape)
-    emb = self.embeddings(input_ids, token_type_ids, position_ids,
-                          attention_mask, deterministic=deterministic)
-    return self.encoder(emb, attention_mask, deterministic=deterministic,
+    return _stack.model(self, input_ids, attention_mask, token_type_ids,
+                        position_ids, cu_seqlens=cu_seqlens,
+                        max_seqlen=max_seqlen, deterministic=deterministic,
                         output_hidden_states=output_hidden_states)
 
 

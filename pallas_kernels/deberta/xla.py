@@ -1,4 +1,6 @@
-"""Pure-JAX disentangled attention, chunked over query rows.
+"""Pure-JAX disentangled attention, chunked over query rows: the "xla"
+backend of the DeBERTa op (`forward`; `jax_api.deberta` and the torch bridge
+differentiate it with JAX autodiff).
 
 Memory: one [batch, heads, chunk, seq] score block at a time (the chunk
 body is rematerialised in the backward), not [batch, heads, seq, seq].
@@ -18,6 +20,9 @@ from jax import lax
 
 from pallas_kernels.deberta import dropout_hash
 from pallas_kernels.deberta.config import KernelConfig
+from pallas_kernels.varlen import token_seq_ids
+
+__all__ = ["forward", "xla_disentangled"]
 
 _HIGHEST = lax.Precision.HIGHEST
 
@@ -104,3 +109,28 @@ def xla_disentangled(q, k, v, pos_key, pos_query, seg, pos, valid, seed, *,
   out = lax.map(one, jnp.arange(n_chunks))  # [n_chunks, b, chunk, h, d]
   out = jnp.moveaxis(out, 0, 1).reshape(b, n_chunks * chunk, h, d)
   return out[:, :s]
+
+
+def forward(q, k, v, pos_key, pos_query, *, attention_mask, cu_seqlens, seed,
+            cfg: KernelConfig):
+  """`xla_disentangled` on the public layouts. q, k, v: [batch, seq, heads,
+  head_dim] with attention_mask [batch, seq] 0/1 or None, or packed [total,
+  heads, head_dim] with cu_seqlens int32 [num_seqs + 1] (tokens past
+  cu_seqlens[-1] output 0). pos_key / pos_query: [2*span, heads, head_dim]
+  or None. Returns out shaped like q, in q's dtype."""
+  if cu_seqlens is not None:
+    cu = jnp.asarray(cu_seqlens, jnp.int32)
+    t = jnp.arange(q.shape[0], dtype=jnp.int32)
+    valid = t < cu[-1]
+    sid = jnp.where(valid, token_seq_ids(cu, q.shape[0]), -1)
+    pos = t - cu[jnp.clip(sid, 0, cu.shape[0] - 2)]
+    out = xla_disentangled(q[None], k[None], v[None], pos_key, pos_query,
+                           sid[None], pos[None], valid[None], seed, cfg=cfg)[0]
+    return jnp.where(valid[:, None, None], out, 0).astype(q.dtype)
+  b, s = q.shape[:2]
+  seg = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, s))
+  pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+  valid = (jnp.ones((b, s), bool) if attention_mask is None
+           else jnp.asarray(attention_mask) != 0)
+  return xla_disentangled(q, k, v, pos_key, pos_query, seg, pos, valid, seed,
+                          cfg=cfg)
