@@ -235,3 +235,126 @@ def test_head_dim_256_fp32(backend):
   q, k, v, cts = _dense(rng, 1, 17, 13, 2, 1, d=256)
   ours, ref = _dense_fns(backend, causal=True, window_size=(9, -1))
   _compare(ours, ref, (q, k, v), cts, TOL[F32])
+
+
+# ------------------------------------------ NaN / Inf reach their rows -----
+# One non-finite entry in row `bad` of q, k or v. Which rows may and must
+# turn non-finite follows from the visibility mask `vis` [seq_q, seq_k]:
+#   rows R = {bad} (q) or {i : vis[i, bad]} (k, v): out, dq (and lse for
+#     q, k; lse does not read v) are non-finite exactly on R;
+#   dk, dv: at most U = {j : vis[i, j] for some i in R} (+ bad for k, v),
+#     at least the rows that read the bad value directly.
+# Checked row by row (a row is a token, all heads).
+NAN_LAYOUTS = {
+    "dense-causal": dict(causal=True, bad=5),
+    "dense-full": dict(causal=False, bad=5),
+    "varlen": dict(causal=False, bad=9),  # in sequence 1 of [0, 7, 20)
+}
+NAN_CU = jnp.array([0, 7, 20], jnp.int32)
+QUANTITIES = ("out", "lse", "dq", "dk", "dv")
+
+# Where the kernels break the rule: a masked pair (i, j) still meets in a
+# matmul (P @ V, dS @ K, dS^T @ Q) with P_ij = dS_ij = 0, and 0 * NaN = NaN.
+# The Pallas kernel keeps sequences in separate tiles (so varlen is exact)
+# but shares a tile between masked and visible pairs (causal: the diagonal
+# tile); the XLA path multiplies whole key chunks, across sequences too.
+# A fix needs a second, masked reduction of the non-finite entries in every
+# kernel (not small): open, issue 30.
+_LEAK = "0 * NaN in a matmul over masked pairs (see NAN_LAYOUTS notes)"
+KNOWN_LEAKS = {
+    ("dense-causal", "v", "out"), ("dense-causal", "v", "dq"),
+    ("dense-causal", "k", "dq"), ("dense-causal", "q", "dk"),
+    ("dense-causal", "inf-v", "out"), ("dense-causal", "inf-v", "dq"),
+    ("dense-causal", "inf-q", "dk"),
+}
+KNOWN_LEAKS_XLA = {
+    ("varlen", "q", "dk"), ("varlen", "k", "dq"), ("varlen", "k", "dk"),
+    ("varlen", "v", "out"), ("varlen", "v", "dq"), ("varlen", "v", "dk"),
+    ("varlen", "inf-q", "dk"), ("varlen", "inf-v", "out"),
+    ("varlen", "inf-v", "dq"), ("varlen", "inf-v", "dk"),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _fwd_bwd(layout, backend):
+  """jit(q, k, v, do, dlse) -> out, lse [tokens, heads], dq, dk, dv (one
+  compile per layout and backend; the bad entries are data)."""
+  causal = NAN_LAYOUTS[layout]["causal"]
+
+  def f(q, k, v):
+    if layout == "varlen":
+      out, lse = fold_attn_varlen_func(q, k, v, NAN_CU, causal=causal,
+                                       return_lse=True, backend=backend)
+      return out, lse.T
+    out, lse = fold_attn_func(q[None], k[None], v[None], causal=causal,
+                              return_lse=True, backend=backend)
+    return out[0], lse[0].T
+
+  def run(q, k, v, do, dlse):
+    (out, lse), vjp = jax.vjp(f, q, k, v)
+    return (out, lse) + vjp((do, dlse))
+  return jax.jit(run)
+
+
+@functools.lru_cache(maxsize=None)
+def _poisoned(layout, which, backend):
+  """Rows (token indices) where out, lse, dq, dk, dv are not finite."""
+  rng = np.random.default_rng(8)
+  q, k, v, (do, dlse) = _packed(rng, 20, 20)
+  value = jnp.inf if which.startswith("inf-") else jnp.nan
+  arrs = dict(q=q, k=k, v=v)
+  name = which.removeprefix("inf-")
+  arrs[name] = arrs[name].at[NAN_LAYOUTS[layout]["bad"], 0, 3].set(value)
+  res = _fwd_bwd(layout, backend)(arrs["q"], arrs["k"], arrs["v"], do,
+                                  dlse.T)
+  got = {}
+  for qname, x in zip(QUANTITIES, res):
+    x = np.asarray(x).reshape(x.shape[0], -1)
+    got[qname] = set(np.flatnonzero(~np.isfinite(x).all(axis=1)).tolist())
+  return got
+
+
+def _nan_expectation(layout, which):
+  cfg = NAN_LAYOUTS[layout]
+  n, bad = 20, cfg["bad"]
+  spec = (varlen_mask_spec(NAN_CU, n) if layout == "varlen" else
+          dense_mask_spec(1, n))
+  vis = np.asarray(visibility(spec, spec, causal=cfg["causal"],
+                              window_size=(-1, -1)))[0]
+  name = which.removeprefix("inf-")
+  rows = {bad} if name == "q" else set(np.flatnonzero(vis[:, bad]).tolist())
+  upper = set(np.flatnonzero(vis[sorted(rows)].any(axis=0)).tolist())
+  if name != "q":
+    upper.add(bad)
+  direct = set(np.flatnonzero(vis[bad]).tolist()) if name == "q" else {bad}
+  # dv_j = sum_i P_ij dO_i: a bad v is not read; an infinite q entry makes
+  # row r's scores +-inf, and the keys at -inf get P_rj = 0 (finite).
+  dv_lower = set() if which in ("v", "inf-v", "inf-q") else direct
+  return dict(
+      out=(rows, rows), lse=(set(), set()) if name == "v" else (rows, rows),
+      dq=(rows, rows), dk=(direct, upper), dv=(dv_lower, upper))
+
+
+def _nan_params():
+  out = []
+  for layout in NAN_LAYOUTS:
+    for which in ("q", "k", "v", "inf-q", "inf-v"):
+      for backend in BACKENDS:
+        for qty in QUANTITIES:
+          leak = (layout, which, qty) in KNOWN_LEAKS or (
+              backend == "xla" and (layout, which, qty) in KNOWN_LEAKS_XLA)
+          marks = [pytest.mark.xfail(strict=True, reason=_LEAK)] if leak \
+              else []
+          out.append(pytest.param(layout, which, backend, qty, marks=marks,
+                                  id=f"{layout}-{which}-{backend}-{qty}"))
+  return out
+
+
+@pytest.mark.parametrize("layout,which,backend,qty", _nan_params())
+def test_non_finite_input_reaches_exactly_its_rows(layout, which, backend,
+                                                   qty):
+  got = _poisoned(layout, which, backend)[qty]
+  lower, upper = _nan_expectation(layout, which)[qty]
+  assert lower <= got, f"rows {sorted(lower - got)} should be non-finite"
+  assert got <= upper, (f"rows {sorted(got - upper)} do not depend on the "
+                        f"bad entry but are non-finite")
