@@ -263,6 +263,13 @@ JAX_CASES = [
     ("append-int", lambda: cache().append(tok(dtype=jnp.int32),
                                           tok(dtype=jnp.int32)),
      TypeError, "k has dtype int32"),
+    ("append-fp8-cache-dtype", lambda: cache(kv_dtype=jnp.float8_e4m3fn)
+     .append(tok(dtype=jnp.bfloat16), tok(dtype=jnp.bfloat16)), TypeError,
+     "k has dtype bfloat16"),
+    ("append-fp8-cache-head-dim", lambda: cache(kv_dtype=jnp.float8_e5m2)
+     .append(tok(d=8), tok(d=8)), ValueError, "k must have shape"),
+    ("append-fp8-past-max-len", lambda: cache(kv_dtype=jnp.float8_e4m3fn)
+     .append(tok(CMAX + 1), tok(CMAX + 1)), ValueError, "max_len"),
     ("append-k-v-shape", lambda: cache().append(tok(), tok(2)), ValueError,
      "k and v"),
     ("append-rank", lambda: cache().append(z(CB, D), z(CB, D)), ValueError,
@@ -436,6 +443,59 @@ JIT_CASES = [
         cache(), tok(dtype=jnp.bfloat16)), TypeError, "k has dtype"),
     ("jit-deberta-pos-key", lambda: jax.jit(lambda q, pk: deb(q=q, pk=pk))(
         z(B, S, HQ, D), z(3, HQ, D)), ValueError, "pos_key"),
+    ("jit-dense-q-rank", lambda: jax.jit(lambda q, k, v: fold_attn_func(
+        q, k, v, **X))(z(S, HQ, D), *qkv()[1:]), ValueError,
+     "q must have rank 4"),
+    ("jit-dense-int", lambda: jax.jit(lambda q, k, v: fold_attn_func(
+        q, k, v, **X))(*qkv(dtype=jnp.int32)), TypeError, "q has dtype int32"),
+    ("jit-dense-head-dim", lambda: jax.jit(lambda q, k, v: fold_attn_func(
+        q, k, v, **X))(*qkv(d=512)), ValueError, "head_dim"),
+    ("jit-dense-batch", lambda: jax.jit(lambda q, k, v: fold_attn_func(
+        q, k, v, **X))(z(2, S, HQ, D), *qkv()[1:]), ValueError, "batch"),
+    ("jit-scale-nan", lambda: jax.jit(lambda q, k, v: fold_attn_func(
+        q, k, v, softmax_scale=float("nan"), **X))(*qkv()), ValueError,
+     "softmax_scale"),
+    ("jit-softcap", lambda: jax.jit(lambda q, k, v: fold_attn_func(
+        q, k, v, softcap=-1.0, **X))(*qkv()), ValueError, "softcap"),
+    ("jit-sinks", lambda: jax.jit(lambda q, k, v, s: fold_attn_func(
+        q, k, v, sinks=s, **X))(*qkv(), z(HQ + 1)), ValueError, "sinks"),
+    ("jit-segment-ids", lambda: jax.jit(lambda q, k, v, s: fold_attn_func(
+        q, k, v, segment_ids=s, **X))(*qkv(), z(B, S)), TypeError,
+     "segment_ids"),
+    ("jit-backend", lambda: jax.jit(lambda q, k, v: fold_attn_func(
+        q, k, v, backend="cuda"))(*qkv()), ValueError, "backend"),
+    ("jit-varlen-gqa", lambda: jax.jit(
+        lambda q, k, v, cu: fold_attn_varlen_func(q, k, v, cu, **X))(
+            *pqkv(hq=3, hkv=2), jnp.asarray(CU)), ValueError, "heads_q"),
+    ("jit-varlen-cu-rank", lambda: jax.jit(
+        lambda q, k, v, cu: fold_attn_varlen_func(q, k, v, cu, **X))(
+            *pqkv(), jnp.zeros((2, 2), jnp.int32)), ValueError,
+     "cu_seqlens_q"),
+    ("jit-append-head-dim", lambda: jax.jit(lambda c, k: c.append(k, k))(
+        cache(), tok(d=32)), ValueError, "k must have shape"),
+    ("jit-append-fp8-cache-dtype", lambda: jax.jit(lambda c, k: c.append(
+        k, k))(cache(kv_dtype=jnp.float8_e4m3fn), tok(dtype=jnp.float16)),
+     TypeError, "k has dtype float16"),
+    ("jit-prefill-heads", lambda: jax.jit(lambda c, q, k, v, cu: c.prefill(
+        q, k, v, cu, **X))(cache(), *pqkv(hq=4), jnp.array([0, 2, 4],
+                                                           jnp.int32)),
+     ValueError, "prefill expects q"),
+    ("jit-decode-dtype", lambda: jax.jit(lambda c, q: c.attend(q, **X))(
+        full_cache(4), z(CB, HQ, D, dtype=jnp.bfloat16)), TypeError,
+     "q has dtype"),
+    ("jit-decode-draft", lambda: jax.jit(lambda c, q: c.attend(q, **X))(
+        full_cache(4), z(CB, 17, HQ, D)), ValueError, "q.shape[1]"),
+    ("jit-deberta-buckets", lambda: jax.jit(lambda q, pk: deb(
+        q=q, pk=pk, pq=pk, position_buckets=16))(z(B, S, HQ, D),
+                                                  z(32, HQ, D)), ValueError,
+     "position_buckets"),
+    ("jit-deberta-mask", lambda: jax.jit(lambda q, m: deb(
+        q=q, attention_mask=m))(z(B, S, HQ, D), jnp.ones((B, S + 1))),
+     ValueError, "attention_mask"),
+    ("jit-flax-attention-fn", lambda: jax.jit(
+        lambda q, k, v: __import__("jax_api.flax", fromlist=["x"])
+        .attention_fn(q, k, v, softcap=-1.0, **X))(*qkv()), ValueError,
+     "softcap"),
 ]
 
 
@@ -586,13 +646,21 @@ TORCH_CASES = [
     ("t-free-out-of-range", lambda: tcache().free([CB]), ValueError,
      "invalid"),
     # The custom ops themselves (what torch.compile calls).
-    pytest.param("t-op-rank", lambda: top(q=t(S, HQ, D)), ValueError, "q must have", marks=pytest.mark.xfail(strict=True, reason="open: the custom op bodies "
-                        "trust their (already validated) static options")),
-    pytest.param("t-op-scale", lambda: top(scale=float("nan")), ValueError,
-     "softmax_scale", marks=pytest.mark.xfail(strict=True, reason="open: the custom op bodies "
-                        "trust their (already validated) static options")),
-    pytest.param("t-op-window", lambda: top(left=-4), ValueError, "window_size", marks=pytest.mark.xfail(strict=True, reason="open: the custom op bodies "
-                        "trust their (already validated) static options")),
+    ("t-op-rank", lambda: top(q=t(S, HQ, D)), ValueError, "q must have"),
+    ("t-op-scale", lambda: top(scale=float("nan")), ValueError,
+     "softmax_scale"),
+    ("t-op-scale-zero", lambda: top(scale=0.0), ValueError, "softmax_scale"),
+    ("t-op-window", lambda: top(left=-4), ValueError, "window_size"),
+    ("t-op-softcap", lambda: top(softcap=-1.0), ValueError, "softcap"),
+    ("t-op-gqa", lambda: top(q=t(B, S, 3, D), k=t(B, S, 2, D),
+                             v=t(B, S, 2, D)), ValueError, "heads_q"),
+    ("t-op-int", lambda: top(q=t(B, S, HQ, D, dtype=torch.int32)),
+     TypeError, "q has dtype int32"),
+    ("t-op-auto", lambda: top(backend="auto"), ValueError, "backend"),
+    ("t-op-bwd-window", lambda: torch.ops.foldax.attn_bwd(
+        *(t(B, S, HQ, D),), None, *tqkv(), None, None, None, None, None,
+        t(B, S, HQ, D), t(B, HQ, S), t(0), "xla", False, -7, -1, 0.0, 0.25,
+        0, 0), ValueError, "window_size"),
     ("t-op-backend", lambda: top(backend="cuda"), ValueError, "backend"),
     ("t-deberta-op-rank", lambda: torch.ops.foldax.deberta_fwd(
         t(S, HQ, D), t(S, HQ, D), t(S, HQ, D), None, None, None, None, None,

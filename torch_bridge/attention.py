@@ -171,6 +171,7 @@ def attn_fwd(q: Tensor, k: Tensor, v: Tensor, sinks: Optional[Tensor],
   """out, lse (float32), aux (the Pallas kernel's base-2 LSE, or empty)."""
   static = (backend, causal, left, right, softcap, scale, max_seqlen_q,
             max_seqlen_k, cu_q is not None)
+  _check_op(q, k, v, sinks, static)
   return _fwd_impl(q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, static)
 
 
@@ -178,6 +179,8 @@ def attn_fwd(q: Tensor, k: Tensor, v: Tensor, sinks: Optional[Tensor],
 def _(q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, backend, causal, left, right,
       softcap, scale, max_seqlen_q, max_seqlen_k):
   varlen = cu_q is not None
+  _check_op(q, k, v, sinks, (backend, causal, left, right, softcap, scale,
+                             max_seqlen_q, max_seqlen_k, varlen))
   out = torch.empty_like(q, memory_format=torch.contiguous_format)
   lse = q.new_empty(_lse_shape(q, varlen), dtype=torch.float32)
   aux = q.new_empty(_aux_shape(q, varlen, backend), dtype=torch.float32)
@@ -195,6 +198,7 @@ def attn_bwd(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor,
   """dq, dk, dv, dsinks (empty when there are no sinks)."""
   static = (backend, causal, left, right, softcap, scale, max_seqlen_q,
             max_seqlen_k, cu_q is not None)
+  _check_op(q, k, v, sinks, static)
   return _bwd_impl(dout, dlse, q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, out,
                    lse, aux, static)
 
@@ -211,6 +215,40 @@ def _(dout, dlse, q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, out, lse, aux,
 
 
 _N_STATIC = 8  # backend .. max_seqlen_k
+
+_checked_ops: set = set()
+
+
+def _check_op(q, k, v, sinks, static):
+  """The contract of the custom ops' own arguments: torch.ops.foldax.attn_fwd
+  / attn_bwd may be called directly (or by a traced graph) with options the
+  public functions never produced. Validated keys are remembered (everything
+  the checks read is in the key), so a compiled graph pays one set lookup."""
+  key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype,
+         None if sinks is None else (sinks.shape, sinks.dtype), static)
+  if key in _checked_ops:
+    return
+  backend, _, left, right, softcap, scale, mq, mk, varlen = static
+  _check_qkv(q, k, v, packed=varlen)
+  _cc.check_window((left, right))
+  _cc.check_softcap(softcap)
+  if scale is None:
+    raise TypeError("softmax_scale (the op's `scale`) must be a float; the "
+                    "op has no default (pass 1/sqrt(head_dim)).")
+  _cc.check_softmax_scale(scale, q.shape[-1])
+  if sinks is not None:
+    _check_tensor("sinks", sinks, 1, "[heads_q]")
+    _cc.check_sinks(tuple(sinks.shape), dtype_name(sinks.dtype), q.shape[-2],
+                    allowed=_DTYPE_NAMES)
+  if backend not in ("pallas", "interpret", "xla"):
+    raise ValueError(f"backend must be one of ('pallas', 'interpret', 'xla') "
+                     f"(resolved; the op takes no 'auto'); got {backend!r}.")
+  if varlen and backend != "xla":
+    for name, m in (("max_seqlen_q", mq), ("max_seqlen_k", mk)):
+      _cc.check_int(name, m)
+  if len(_checked_ops) >= 4096:
+    _checked_ops.clear()
+  _checked_ops.add(key)
 
 
 def _setup_context(ctx, inputs, output):

@@ -3,11 +3,17 @@
     compute-sanitizer --tool memcheck --kernel-name kns=fold \
         python3 tests/gpu_logs/sanitize_kernels.py [family ...]
 
-Families: dense (forward, recompute and atomic backward), decode, deberta
-(forward, backward), bridge (the torch direct launch). Shapes: sequence
-lengths that are not multiples of the tiles, head dims 96 and 192. Prints
-one line per family; the sanitizer's report is the result (logs beside this
-file).
+Families: dense (forward, recompute and atomic backward; also one mode
+alone: dense_recompute, dense_atomic), decode, deberta (forward,
+backward), bridge (the torch direct launch, forward and backward). Shapes:
+sequence lengths that are not multiples of the tiles (ragged tails, packed
+varlen sequences, partial pages), head dims 96 and 192. Prints one line per
+family; the sanitizer's report is the result (`run_sanitizer.sh` runs one
+family per tool and writes the logs).
+
+On CPU the same calls run interpreted on smaller (still ragged) shapes, a
+check of this script: `PYTHONPATH=$PWD python tests/gpu_logs/
+sanitize_kernels.py dense_recompute` (bridge needs CUDA and says so).
 """
 
 import sys
@@ -19,20 +25,23 @@ import jax_api
 from jax_api import KernelSettings
 
 # On CPU the same calls run interpreted (a quick check of this script).
-BACKEND = "pallas" if jax.default_backend() == "gpu" else "interpret"
+ON_GPU = jax.default_backend() == "gpu"
+BACKEND = "pallas" if ON_GPU else "interpret"
+# (seq_q, seq_k): not multiples of any tile (16 .. 128 rows).
+SEQ = (77, 131) if ON_GPU else (21, 37)
 
 
 def _rand(key, shape, dtype=jnp.bfloat16):
   return jax.random.normal(jax.random.key(key), shape, jnp.float32).astype(dtype)
 
 
-def dense():
+def dense(modes=("recompute", "atomic")):
   for d in (96, 192):
-    for mode in ("recompute", "atomic"):
+    for mode in modes:
       cfg = KernelSettings(dq_mode=mode)
-      q = _rand(0, (2, 77, 4, d))
-      k = _rand(1, (2, 131, 2, d))
-      v = _rand(2, (2, 131, 2, d))
+      q = _rand(0, (2, SEQ[0], 4, d))
+      k = _rand(1, (2, SEQ[1], 2, d))
+      v = _rand(2, (2, SEQ[1], 2, d))
       f = lambda q, k, v: jax_api.fold_attn_func(
           q, k, v, causal=True, backend=BACKEND, config=cfg).astype(
               jnp.float32).sum()
@@ -45,18 +54,29 @@ def dense():
           q, k, k, cu, max_seqlen_q=63, max_seqlen_k=63, causal=True,
           backend=BACKEND, config=cfg).astype(jnp.float32).sum()
       jax.block_until_ready(jax.jit(jax.grad(fv, argnums=(0, 1)))(qv, kv))
-  print("dense: ok")
+  print(f"dense {'+'.join(modes)}: ok")
+
+
+def dense_recompute():
+  dense(("recompute",))
+
+
+def dense_atomic():
+  dense(("atomic",))
 
 
 def decode():
   for d in (96, 192):
+    n = 300 if ON_GPU else 90
     cache = jax_api.FoldKVCache.create(batch=3, n_heads=8, n_kv_heads=2,
-                                       head_dim=d, max_len=300, page_size=64,
-                                       dtype=jnp.bfloat16)
-    cu = jnp.array([0, 50, 173, 300], jnp.int32)
-    q = _rand(0, (300, 8, d))
-    k = _rand(1, (300, 2, d))
+                                       head_dim=d, max_len=n, page_size=64 if
+                                       ON_GPU else 16, dtype=jnp.bfloat16)
+    cu = jnp.array([0, 50, 173, 300] if ON_GPU else [0, 17, 45, 90],
+                   jnp.int32)
+    q = _rand(0, (n, 8, d))
+    k = _rand(1, (n, 2, d))
     _, cache = cache.prefill(q, k, k, cu, backend=BACKEND)
+    cache = cache.free(jnp.array([0]))  # refilled by the appends: reuse
     for step in range(3):
       out, cache = jax_api.fold_attn_with_kvcache(
           _rand(10 + step, (3, 8, d)), cache, _rand(20 + step, (3, 2, d)),
@@ -66,10 +86,12 @@ def decode():
 
 
 def deberta():
+  s = SEQ[0]
   for d in (64, 96):
-    q = _rand(0, (2, 77, 2, d))
+    q = _rand(0, (2, s, 2, d))
     pos = _rand(1, (64, 2, d))
-    mask = (jnp.arange(77)[None] < jnp.array([[77], [50]])).astype(jnp.int32)
+    mask = (jnp.arange(s)[None] < jnp.array([[s], [s - 27 if ON_GPU else
+                                                 s - 6]])).astype(jnp.int32)
     f = lambda q, pk: jax_api.disentangled_attention(
         q, q, q, pk, pk, attention_mask=mask, position_buckets=32,
         max_relative_positions=64, backend=BACKEND).astype(
@@ -81,7 +103,10 @@ def deberta():
 def bridge():
   import torch
   import torch_bridge
-  for d in (96, 128):
+  if not torch.cuda.is_available():
+    print("bridge: skipped (the direct launch needs CUDA)")
+    return
+  for d in (96, 192):
     q = torch.randn(2, 77, 4, d, device="cuda", dtype=torch.bfloat16,
                     requires_grad=True)
     k = torch.randn(2, 131, 2, d, device="cuda", dtype=torch.bfloat16,
