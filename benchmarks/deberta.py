@@ -975,7 +975,7 @@ class Suite:
     attention on a GPU), when the budget leaves time."""
     try:
       from jax_api.deberta import disentangled_attention
-      from pallas_kernels.deberta._geometry import geometry
+      from pallas_kernels.deberta.layout import geometry
     except Exception as e:  # noqa: BLE001
       self.md["kernel_level"] = f"not available: {_err(e)}"
       return

@@ -22,6 +22,9 @@ Implementations (exact calls):
                 the same bytes as bf16 values, so "tokens/s at equal memory"
                 is B / time at the same B and T
   ours_depth16  the same with depth=16 (page summaries; key/page cut)
+  ours_fp8      the same pages stored in E4M3 with a float32 scale per (page,
+                KV head) (FoldKVCache(kv_dtype=jnp.float8_e4m3fn)), dequantised
+                in registers; ours_fp8_e5m2 the same in E5M2
   torch_sdpa    F.scaled_dot_product_attention(q [B,32,1,128], k, v
                 [B,8,T,128], enable_gqa=True)  (torch's default backend)
   jax_cudnn     jax.nn.dot_product_attention(q [B,1,32,128], k, v [B,T,8,128],
@@ -33,9 +36,14 @@ Implementations (exact calls):
                 q [B,32,128], k_pages [8,P,16,128], v_pages, block_tables,
                 lengths)  (defaults: page 16, 8 pages per block, k_splits=16)
 
-Effective bandwidth = bytes of K and V at bf16 (2 * B * T * Hkv * D * 2) /
-time, the figure of shared/anchors/README.md (torch: 3.8 TB/s at B8 T32768 on
-the H200). Timing: benchmarks/_timing (back-to-back calls, median of batches).
+Effective bandwidth = bytes of K and V actually read / time: at bf16
+(2 * B * T * Hkv * D * 2) for every bf16 path, the figure of
+shared/anchors/README.md (torch: 3.8 TB/s at B8 T32768 on the H200); for the
+FP8 paths the FP8 pages plus their scales (about half). tokens/s = B / time.
+Each run also records `capacity`: the largest batch at each context T whose
+bf16 / FP8 K+V cache (one layer per KV head as in the shape, times --layers)
+fits in 80% of the device's memory (the GPU's bytes_limit; on CPU a nominal
+80 GiB card, marked as such). Timing: benchmarks/_timing (back-to-back calls, median of batches).
 Each implementation is guarded: a failure becomes an `error` string and the
 run goes on; the JSON is rewritten after every measurement.
 """
@@ -56,12 +64,13 @@ from typing import Any
 
 from benchmarks import _timing as T
 
-JAX_IMPLS = ("ours", "ours_v8", "ours_depth16", "jax_cudnn", "pallas_gqa",
-             "pallas_paged", "jax_xla")
+JAX_IMPLS = ("ours", "ours_v8", "ours_depth16", "ours_fp8", "ours_fp8_e5m2",
+             "jax_cudnn", "pallas_gqa", "pallas_paged", "jax_xla")
 TORCH_IMPLS = ("torch_sdpa",)
-DEFAULT_IMPLS = ("ours", "ours_v8", "ours_depth16", "torch_sdpa", "jax_cudnn",
-                 "pallas_gqa", "pallas_paged")
-SMOKE_IMPLS = ("ours", "ours_v8", "ours_depth16", "jax_xla")
+DEFAULT_IMPLS = ("ours", "ours_fp8", "ours_v8", "ours_depth16", "torch_sdpa",
+                 "jax_cudnn", "pallas_gqa", "pallas_paged")
+SMOKE_IMPLS = ("ours", "ours_fp8", "ours_v8", "ours_depth16", "jax_xla")
+FP8_IMPLS = {"ours_fp8": "float8_e4m3fn", "ours_fp8_e5m2": "float8_e5m2"}
 PAGE = 256
 
 
@@ -79,6 +88,11 @@ class Shape:
 
   def kv_bytes(self) -> int:
     return 2 * self.B * self.T * self.Hkv * self.D * 2
+
+  def fp8_kv_bytes(self) -> int:
+    """FP8 K and V pages (1 byte an entry) plus their float32 scales."""
+    pages = self.B * -(-self.T // self.page)
+    return self.kv_bytes() // 2 + 2 * pages * self.Hkv * 4
 
   def fields(self) -> dict:
     return dict(B=self.B, T=self.T, Hq=self.Hq, Hkv=self.Hkv, D=self.D,
@@ -161,6 +175,16 @@ def make_ours(name: str, shape: Shape, inp: dict, ctx) -> tuple:
     fn = jax.jit(lambda q, k, v, t, n, vr, s: paged_decode(
         q, k, v, t, n, v_res=vr, v_scale=s, **kw))
     return fn, args + [vr, scale], notes + ", v8 (coarse+residual E4M3)"
+  if name in FP8_IMPLS:
+    from pallas_kernels.decode.fp8 import quantise_pages
+    dt = jnp.dtype(FP8_IMPLS[name])
+    counts = jnp.full((args[1].shape[0],), shape.page, jnp.int32)
+    kq, ks = quantise_pages(inp["k_pages"], counts, dt)
+    vq, vs = quantise_pages(inp["v_pages"], counts, dt)
+    args[1], args[2] = kq, vq
+    fn = jax.jit(lambda q, k, v, t, n, ks, vs: paged_decode(
+        q, k, v, t, n, k_scales=ks, v_scales=vs, **kw))
+    return fn, args + [ks, vs], notes + f", {dt.name} pages + scales"
   if name == "ours_depth16":
     counts = jnp.full((args[1].shape[0],), shape.page, jnp.int32)
     summ = page_summaries(inp["k_pages"], counts)
@@ -226,6 +250,9 @@ def run_jax(name: str, shape: Shape, inp: dict, ctx, keep: dict) -> dict:
     t = T.time_jax(compiled, [args], target_s=ctx.target_s,
                    n_batches=ctx.n_batches)
     _fill(rec, shape, t)
+    if name in FP8_IMPLS:  # bandwidth over the bytes actually read
+      rec["kv_bytes"] = shape.fp8_kv_bytes()
+      rec["eff_tbs"] = rec["kv_bytes"] / (rec["ms"] / 1e3) / 1e12
     rec.update(T.jax_memory_analysis(compiled))
     if name == "ours" and ctx.determinism:
       rec["bitwise_repeatable"] = T.bitwise_repeatable(compiled, args, n=3)
@@ -318,7 +345,7 @@ def accuracy(ctx) -> list[dict]:
   from jax_api._xla_decode import xla_decode
   from pallas_kernels.decode import (contiguous_as_pages, decode_v8,
                                      encode_v8, page_summaries, v8_scale_for)
-  from pallas_kernels.flash._tiles import LOG2E
+  from pallas_kernels.flash.tiles import LOG2E
   from pallas_kernels.reference import paged_decode_reference
   from pallas_kernels.reference.decode import gather_pages
   model = jax.jit(xla_decode, static_argnames=("depth", "v8_depth",
@@ -401,6 +428,33 @@ def accuracy(ctx) -> list[dict]:
           f"{r['option']}={r['rel_err']:.1e}" for r in out[-13:-1]
           if "rel_err" in r), flush=True)
   return out
+
+
+def capacity(shapes, on_gpu: bool, layers: int = 1) -> dict:
+  """Largest batch at each shape's T whose K+V cache (bf16 / FP8 pages +
+  scales, `layers` layers) fits in 80% of the device's memory."""
+  import jax
+  limit, source = None, "nominal 80 GiB (no GPU)"
+  if on_gpu:
+    try:
+      limit = jax.devices()[0].memory_stats()["bytes_limit"]
+      source = "bytes_limit of " + jax.devices()[0].device_kind
+    except Exception:  # noqa: BLE001
+      limit = None
+  if limit is None:
+    limit, source = 80 * 2 ** 30, "nominal 80 GiB (no memory stats)"
+  budget = 0.8 * limit
+  rows = []
+  for sh in shapes:
+    one = dataclasses.replace(sh, B=1)
+    per = dict(bf16=one.kv_bytes() * layers, fp8=one.fp8_kv_bytes() * layers)
+    rows.append(dict(T=sh.T, Hkv=sh.Hkv, D=sh.D, page=sh.page, layers=layers,
+                     **{f"max_batch_{k}": int(budget // v)
+                        for k, v in per.items()},
+                     **{f"max_tokens_{k}": int(budget // v) * sh.T
+                        for k, v in per.items()}))
+  return dict(memory_bytes=int(limit), source=source, fraction=0.8,
+              rows=rows)
 
 
 # ----------------------------------------------------------------------------
@@ -551,6 +605,8 @@ def build_parser():
   p.add_argument("--n-batches", type=int, default=5)
   p.add_argument("--budget-s", type=float, default=150.0)
   p.add_argument("--acc-tokens", type=int, default=4096)
+  p.add_argument("--layers", type=int, default=1,
+                 help="layers counted in the capacity table")
   p.add_argument("--no-determinism", action="store_true")
   p.add_argument("--verbose", action="store_true")
   return p
@@ -589,6 +645,11 @@ def main(argv=None) -> int:
     return 0
   impls = (args.impls.split(",") if args.impls else
            list(SMOKE_IMPLS if args.smoke else DEFAULT_IMPLS))
+  doc["capacity"] = capacity(shapes, on_gpu, args.layers)
+  for row in doc["capacity"]["rows"]:
+    print(f"80% of memory ({doc['capacity']['source']}): T{row['T']} "
+          f"max batch bf16 {row['max_batch_bf16']}, FP8 "
+          f"{row['max_batch_fp8']}", flush=True)
   for shape in shapes:
     print(f"{shape.label()}  (K+V {shape.kv_bytes() / 1e9:.2f} GB)",
           flush=True)
@@ -613,6 +674,9 @@ def main(argv=None) -> int:
       for r in recs:
         if r["ms"] and r is not ours:
           r["speedup_of_ours"] = r["ms"] / ours["ms"]
+          if r["impl"] in FP8_IMPLS:  # FP8 tokens/s over our bf16 path's
+            r["tokens_per_s_vs_ours_bf16"] = (r["tokens_per_s"] /
+                                              ours["tokens_per_s"])
     del inp, keep
   doc["metadata"]["elapsed_s"] = round(time.time() - t0, 1)
   write_json(args.output, doc)

@@ -9,6 +9,8 @@
 from jax_api.dense import fold_attn_func, fold_attn_varlen_func
 from jax_api.kvcache import FoldKVCache, fold_attn_with_kvcache
 from jax_api.deberta import disentangled_attention
+from pallas_kernels.settings import KernelSettings
 
 __all__ = ["fold_attn_func", "fold_attn_varlen_func", "FoldKVCache",
-           "fold_attn_with_kvcache", "disentangled_attention"]
+           "fold_attn_with_kvcache", "disentangled_attention",
+           "KernelSettings"]

@@ -15,25 +15,15 @@ import logging
 
 import jax
 
+from pallas_kernels import device
+
 BACKENDS = ("auto", "pallas", "interpret", "xla")
 _log = logging.getLogger("jax_api")
 _announced: set[str] = set()
 
 
-@functools.cache
-def _gpu_capability() -> tuple[int, int] | None:
-  """Compute capability of the default device when it is an NVIDIA GPU."""
-  try:
-    dev = jax.devices()[0]
-  except RuntimeError:
-    return None
-  if dev.platform != "gpu":
-    return None
-  cc = getattr(dev, "compute_capability", None)
-  if cc is None:
-    return None
-  major, minor = (int(x) for x in str(cc).split("."))
-  return major, minor
+# Tests replace this module attribute to pretend a GPU.
+_gpu_capability = device.gpu_capability
 
 
 def _announce(msg: str) -> None:

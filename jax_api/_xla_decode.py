@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.decode.config import SAMPLE_TILE
 from pallas_kernels.decode.kernel import OVERFLOW_MARGIN, V8_RES_SHIFT
-from pallas_kernels.flash._tiles import LN2, LOG2E
+from pallas_kernels.flash.tiles import LN2, LOG2E
 from pallas_kernels.reference.decode import gather_pages
 
 _HIGHEST = jax.lax.Precision.HIGHEST

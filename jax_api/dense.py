@@ -14,96 +14,54 @@ import jax
 import jax.numpy as jnp
 
 from jax_api import _validation as val
-from jax_api import _backend
 from jax_api._backend import _gpu_capability, resolve_backend
 from jax_api._xla_attention import xla_attention
-from pallas_kernels.flash._tiles import LN2, MaskConfig
-from pallas_kernels.flash.backward import flash_backward, token_sequence_ids
-from pallas_kernels.flash.config import BlockSizes, block_sizes_for, dq_mode
-from pallas_kernels.flash.forward import flash_forward
+from pallas_kernels import settings
+from pallas_kernels.flash import core
+from pallas_kernels.flash.backward import token_sequence_ids
+from pallas_kernels.flash.tiles import MaskConfig
 from pallas_kernels.reference.dense import dense_mask_spec, varlen_mask_spec
 
 
-@functools.partial(jax.custom_vjp,
-                   nondiff_argnums=(8, 9, 10, 11, 12, 13, 14, 15))
-def _flash(q, k, v, sinks, cu_q, cu_k, q_seg, k_seg, cfg: MaskConfig,
-           fwd_blocks: BlockSizes, bwd_blocks: BlockSizes, max_seqlen_q: int,
-           max_seqlen_k: int, interpret: bool, dq_reduction: str,
-           padded_batch: bool):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12, 13))
+def _flash(q, k, v, sinks, cu_q, cu_k, q_seg, k_seg, mask: core.MaskConfig,
+           plan: core.KernelPlan, max_seqlen_q: int, max_seqlen_k: int,
+           interpret: bool, padded_batch: bool):
   """padded_batch: every token belongs to a sequence (cu_seqlens[-1] is the
   token count), so the backward need not zero tokens outside them."""
-  out, lse2 = flash_forward(q, k, v, cu_q, cu_k, q_seg, k_seg, sinks,
-                            cfg=cfg, blocks=fwd_blocks,
-                            max_seqlen_q=max_seqlen_q, interpret=interpret)
-  return out, _natural_lse(lse2)
+  out, lse, _ = core.forward(q, k, v, sinks, cu_q, cu_k, q_seg, k_seg,
+                             mask=mask, plan=plan, max_seqlen_q=max_seqlen_q,
+                             interpret=interpret)
+  return out, lse
 
 
-def _natural_lse(lse2):
-  # The kernel keeps +inf for rows that saw nothing (so exp2(s - lse2) = 0 in
-  # the backward); users get log(0) = -inf.
-  return jnp.where(lse2 == jnp.inf, -jnp.inf, lse2 * LN2)
+def _flash_fwd(q, k, v, sinks, cu_q, cu_k, q_seg, k_seg, mask, plan,
+               max_seqlen_q, max_seqlen_k, interpret, padded_batch):
+  out, lse, lse2 = core.forward(q, k, v, sinks, cu_q, cu_k, q_seg, k_seg,
+                                mask=mask, plan=plan,
+                                max_seqlen_q=max_seqlen_q, interpret=interpret)
+  return (out, lse), (q, k, v, sinks, cu_q, cu_k, q_seg, k_seg, out, lse2)
 
 
-def _flash_fwd(q, k, v, sinks, cu_q, cu_k, q_seg, k_seg, cfg, fwd_blocks,
-               bwd_blocks, max_seqlen_q, max_seqlen_k, interpret, dq_reduction,
-               padded_batch):
-  out, lse2 = flash_forward(q, k, v, cu_q, cu_k, q_seg, k_seg, sinks,
-                            cfg=cfg, blocks=fwd_blocks,
-                            max_seqlen_q=max_seqlen_q, interpret=interpret)
-  res = (q, k, v, sinks, cu_q, cu_k, q_seg, k_seg, out, lse2)
-  return (out, _natural_lse(lse2)), res
-
-
-def _flash_bwd(cfg, fwd_blocks, bwd_blocks, max_seqlen_q, max_seqlen_k,
-               interpret, dq_reduction, padded_batch, res, cotangents):
+def _flash_bwd(mask, plan, max_seqlen_q, max_seqlen_k, interpret,
+               padded_batch, res, cotangents):
   q, k, v, sinks, cu_q, cu_k, q_seg, k_seg, out, lse2 = res
   do, dlse = cotangents
-  dlse = jnp.where(jnp.isfinite(dlse), dlse, 0.0).astype(jnp.float32)
-  dq, dk, dv, dsinks = flash_backward(
-      q, k, v, out, lse2, do.astype(q.dtype), cu_q, cu_k, q_seg, k_seg, sinks,
-      dlse, cfg=cfg, blocks=bwd_blocks, max_seqlen_q=max_seqlen_q,
-      max_seqlen_k=max_seqlen_k, interpret=interpret, dq_mode=dq_reduction,
-      all_tokens_in_sequences=padded_batch)
-  if sinks is not None:
-    dsinks = dsinks.astype(sinks.dtype)
-  return dq, dk, dv, dsinks, None, None, None, None
+  grads = core.backward(q, k, v, sinks, cu_q, cu_k, q_seg, k_seg, out, lse2,
+                        do, dlse, mask=mask, plan=plan,
+                        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                        interpret=interpret,
+                        all_tokens_in_sequences=padded_batch)
+  return (*grads, None, None, None, None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def _kernel_plan(head_dim: int, dtype, interpret: bool):
-  """(forward blocks, backward blocks, dQ reduction) from the shipped table."""
-  cc = None if interpret else _gpu_capability()
-  reduction = dq_mode()
-  bwd_mode = "bwd_atomic" if reduction == "atomic" else "bwd"
-  plan = (block_sizes_for(compute_capability=cc, head_dim=head_dim,
-                          dtype=dtype, mode="fwd", interpret=interpret),
-          block_sizes_for(compute_capability=cc, head_dim=head_dim,
-                          dtype=dtype, mode=bwd_mode, interpret=interpret),
-          reduction)
-  if not interpret:
-    _announce_compilers(plan[0], plan[1])
-  return plan
-
-
-def _announce_compilers(fwd: BlockSizes, bwd: BlockSizes) -> None:
-  """Says once per combination which compiler builds the kernels (and,
-  where pip Triton would have compiled one but cannot, why not)."""
-  from pallas_kernels.flash.config import compiler_setting
-  _announce_compilers_once(fwd.compiler, bwd.compiler,
-                           bwd.dq_blocks.compiler, compiler_setting())
-
-
-@functools.cache
-def _announce_compilers_once(fwd: str, bwd: str, dq: str,
-                             setting: str) -> None:
-  from pallas_kernels import _pip_triton
-  why = _pip_triton.auto_ready() if setting == "auto" else None
-  _backend._announce(
-      f"jax_api: flash kernels compiled by forward={fwd}, backward={bwd}/"
-      f"dq={dq} (FOLDAX_KERNEL_COMPILER={setting})" +
-      (f"; pip Triton unused: {why}" if why else "") + ".")
+def _kernel_plan(head_dim: int, dtype, interpret: bool) -> core.KernelPlan:
+  return core.kernel_plan(head_dim, dtype, interpret=interpret,
+                          compute_capability=None if interpret else
+                          _gpu_capability())
 
 
 def _check_common(q, k, v, sinks, window_size, softcap, softmax_scale,
@@ -116,6 +74,7 @@ def _check_common(q, k, v, sinks, window_size, softcap, softmax_scale,
   return window, softcap, scale
 
 
+@settings.accepts_config
 def fold_attn_func(q: jax.Array, k: jax.Array, v: jax.Array, *,
                    causal: bool = False, softmax_scale: float | None = None,
                    window_size: tuple[int, int] = (-1, -1),
@@ -139,6 +98,9 @@ def fold_attn_func(q: jax.Array, k: jax.Array, v: jax.Array, *,
     return_lse: also return the log-sum-exp [batch, heads_q, seq_q] (float32,
       natural log, -inf for rows that see no key); differentiable.
     backend: "auto", "pallas", "interpret" or "xla" (see jax_api._backend).
+    config: a `jax_api.KernelSettings` (compiler, dQ mode, tile table);
+      None: the documented defaults (`pallas_kernels.settings`). Part of
+      the kernels' static arguments.
 
   Returns:
     out [batch, seq_q, heads_q, head_dim] in q's dtype (and lse).
@@ -169,14 +131,14 @@ def fold_attn_func(q: jax.Array, k: jax.Array, v: jax.Array, *,
     q_seg, k_seg = segs[0].reshape(-1), segs[1].reshape(-1)
   out, lse = _flash(q.reshape(b * sq, hq, d), k.reshape(b * sk, *k.shape[2:]),
                     v.reshape(b * sk, *v.shape[2:]), sinks, cu_q, cu_k, q_seg,
-                    k_seg, cfg, plan[0], plan[1], sq, sk, interpret, plan[2],
-                    True)
+                    k_seg, cfg, plan, sq, sk, interpret, True)
   out = out.reshape(b, sq, hq, d)
   if not return_lse:
     return out
   return out, lse.reshape(hq, b, sq).transpose(1, 0, 2)
 
 
+@settings.accepts_config
 def fold_attn_varlen_func(q: jax.Array, k: jax.Array, v: jax.Array,
                           cu_seqlens_q: jax.Array,
                           cu_seqlens_k: jax.Array | None = None,
@@ -216,6 +178,10 @@ def fold_attn_varlen_func(q: jax.Array, k: jax.Array, v: jax.Array,
     raise ValueError("cu_seqlens_q and cu_seqlens_k must describe the same "
                      f"number of sequences; got shapes {cu_seqlens_q.shape} "
                      f"and {cu_seqlens_k.shape}.")
+  # Checked on every backend (the XLA path does not need them, but a wrong
+  # one is the caller's error all the same).
+  mq = val.concrete_max_seqlen("max_seqlen_q", cu_seqlens_q, max_seqlen_q)
+  mk = val.concrete_max_seqlen("max_seqlen_k", cu_seqlens_k, max_seqlen_k)
   cu_q = jnp.asarray(cu_seqlens_q, jnp.int32)
   cu_k = jnp.asarray(cu_seqlens_k, jnp.int32)
   be = resolve_backend(backend, kernel="fold_attn_varlen_func")
@@ -226,15 +192,12 @@ def fold_attn_varlen_func(q: jax.Array, k: jax.Array, v: jax.Array,
         window_size=window, softcap=softcap, softmax_scale=scale)
     out, lse = out[0], lse[0]
   else:
-    mq = val.concrete_max_seqlen("max_seqlen_q", cu_seqlens_q, max_seqlen_q)
-    mk = val.concrete_max_seqlen("max_seqlen_k", cu_seqlens_k, max_seqlen_k)
     interpret = be == "interpret"
     cfg = MaskConfig.make(causal=bool(causal), window_size=window,
                           has_segments=False, softcap=softcap, scale=scale)
     plan = _kernel_plan(q.shape[-1], q.dtype, interpret)
-    out, lse = _flash(q, k, v, sinks, cu_q, cu_k, None, None, cfg, plan[0],
-                      plan[1], mq or q.shape[0], mk or k.shape[0], interpret,
-                      plan[2], False)
+    out, lse = _flash(q, k, v, sinks, cu_q, cu_k, None, None, cfg, plan,
+                      mq or q.shape[0], mk or k.shape[0], interpret, False)
     # Rows outside every sequence are never written by the kernel.
     in_seq = token_sequence_ids(cu_q, q.shape[0]) < cu_q.shape[0] - 1
     out = jnp.where(in_seq[:, None, None], out, 0).astype(q.dtype)

@@ -25,6 +25,17 @@ Storage
     v_scale the per-cache power-of-two scale (fixed by the first write).
   depth: per-page key summaries (kmax, kmin, ksum, ksumsq) drive the page
     cut and its mass estimate (see `pallas_kernels.decode.kernel`).
+  kv_dtype=float8_e4m3fn / float8_e5m2: k_pages and v_pages hold FP8 entries
+    and k_scales, v_scales float32 [num_pages, n_kv_heads] one power-of-two
+    scale per (page, KV head), computed from that page's own filled tokens
+    when it is written (`pallas_kernels.decode.fp8` has the rule). Prefill
+    quantises each page once; an append that needs a larger scale re-quantises
+    the page's stored entries to it (entry * old / new, rounded to FP8) and
+    rewrites the whole page (zeros past the new token), so a page's bits
+    depend only on its sequence's tokens and the order they were written in,
+    never on the batch or the pool. anchors then hold the dequantised first
+    keys (in `dtype`). Non-finite values are stored as NaN and do not enter
+    any scale.
 
 Errors and `jax.jit`
 --------------------
@@ -55,19 +66,24 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_api import _validation as val
+from jax_api.contract import common as _ck
+from jax_api.contract import kvcache as _ckv
 from jax_api._backend import _gpu_capability, resolve_backend
 from jax_api._xla_decode import xla_decode
 from jax_api.dense import fold_attn_varlen_func
 from pallas_kernels.decode import (DEFAULT_V8_DEPTH, MAX_DRAFT, encode_v8,
                                    head_dim_pad, page_summaries, paged_decode,
                                    v8_scale_for)
+from jax_api._kvcache_fp8 import append_one_fp8 as _append_one_fp8
+from pallas_kernels.decode.fp8 import (FP8_DTYPES, dequantise,
+                                       dequantise_pages, quantise_pages)
 from pallas_kernels.decode.kernel import V8_RES_SHIFT
 
 ERR_MAX_LEN = 1    # a sequence would grow past max_len
 ERR_POOL = 2       # the page pool is exhausted
 ERR_NOT_EMPTY = 4  # prefill into a slot that already holds tokens
 ERR_BAD_SLOT = 8   # a slot id outside [0, batch) or named twice
-_ERR_NAMES = {ERR_MAX_LEN: "append past max_len", ERR_POOL: "page pool "
+ERROR_NAMES = {ERR_MAX_LEN: "append past max_len", ERR_POOL: "page pool "
               "exhausted", ERR_NOT_EMPTY: "prefill into a non-empty slot",
               ERR_BAD_SLOT: "invalid or repeated slot id"}
 
@@ -96,6 +112,11 @@ class CacheConfig:
   v8: bool
   chunk_tokens: int
   v8_depth: int
+  kv_dtype: str | None = None  # an FP8 dtype name, or None (pages in dtype)
+
+  @property
+  def fp8(self) -> bool:
+    return self.kv_dtype is not None
 
   @property
   def d_pad(self) -> int:
@@ -110,12 +131,7 @@ class CacheConfig:
     return self.depth is not None
 
 
-def _check_int(name, x, lo=1):
-  if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
-    raise TypeError(f"{name} must be a Python int; got {x!r}.")
-  if x < lo:
-    raise ValueError(f"{name} must be >= {lo}; got {x}.")
-  return int(x)
+_check_int = _ck.check_int
 
 
 @jax.tree_util.register_pytree_node_class
@@ -123,12 +139,15 @@ class FoldKVCache:
   """One layer's paged KV cache (a pytree; see the module docstring)."""
 
   _FIELDS = ("k_pages", "v_pages", "v_res", "v_scale", "summaries", "anchors",
-             "block_table", "lengths_", "free_pages", "n_free", "error")
+             "block_table", "lengths_", "free_pages", "n_free", "error",
+             "k_scales", "v_scales")
 
   def __init__(self, *, config: CacheConfig, k_pages, v_pages, v_res,
                v_scale, summaries, anchors, block_table, lengths_, free_pages,
-               n_free, error):
+               n_free, error, k_scales=None, v_scales=None):
     self.config = config
+    self.k_scales = k_scales
+    self.v_scales = v_scales
     self.anchors = anchors
     self.k_pages = k_pages
     self.v_pages = v_pages
@@ -159,7 +178,7 @@ class FoldKVCache:
     return (f"FoldKVCache(batch={c.batch}, n_heads={c.n_heads}, n_kv_heads="
             f"{c.n_kv_heads}, head_dim={c.head_dim}, max_len={c.max_len}, "
             f"page_size={c.page_size}, num_pages={c.num_pages}, dtype="
-            f"{c.dtype}, depth={c.depth}, v8={c.v8})")
+            f"{c.dtype}, depth={c.depth}, v8={c.v8}, kv_dtype={c.kv_dtype})")
 
   # -- construction ------------------------------------------------------------
   @classmethod
@@ -167,7 +186,8 @@ class FoldKVCache:
              max_len: int, *, page_size: int = 256, dtype=jnp.bfloat16,
              depth: int | None = None, v8: bool = False,
              num_pages: int | None = None, chunk_tokens: int | None = None,
-             v8_depth: int = DEFAULT_V8_DEPTH) -> "FoldKVCache":
+             v8_depth: int = DEFAULT_V8_DEPTH,
+             kv_dtype=None) -> "FoldKVCache":
     """An empty cache of `batch` slots.
 
     Args:
@@ -190,6 +210,11 @@ class FoldKVCache:
       v8_depth: with v8, keys whose weight is below 2^-v8_depth of the
         reference are decoded from the coarse plane only (tiles where no
         weight reaches it never read the residual plane).
+      kv_dtype: None (K/V pages in `dtype`), jnp.float8_e4m3fn or
+        jnp.float8_e5m2: K and V pages in FP8 with a float32 scale per (page,
+        KV head) (about half the bytes of bf16; see the module docstring).
+        Decoding dequantises in registers and computes in `dtype`. Not
+        combined with v8 or depth.
     """
     batch = _check_int("batch", batch)
     n_heads = _check_int("n_heads", n_heads)
@@ -225,9 +250,21 @@ class FoldKVCache:
       raise ValueError(f"chunk_tokens ({chunk_tokens}) must be a multiple of "
                        f"page_size ({page_size}).")
     v8_depth = _check_int("v8_depth", v8_depth, lo=0)
+    kv_name = None
+    if kv_dtype is not None:
+      try:
+        kv_name = jnp.dtype(kv_dtype).name
+      except TypeError:
+        kv_name = repr(kv_dtype)
+      if kv_name not in FP8_DTYPES:
+        raise ValueError(f"kv_dtype {kv_dtype!r} is not supported; use None, "
+                         "jnp.float8_e4m3fn or jnp.float8_e5m2.")
+      if v8 or depth is not None:
+        raise ValueError(f"kv_dtype={kv_name} cannot be combined with v8 or "
+                         "depth (use kv_dtype=None for those).")
     cfg = CacheConfig(batch, n_heads, n_kv_heads, head_dim, max_len,
                       page_size, num_pages, dt.name, depth, bool(v8),
-                      chunk_tokens, v8_depth)
+                      chunk_tokens, v8_depth, kv_name)
     shape = (num_pages, page_size, n_kv_heads, cfg.d_pad)
     e4m3 = jnp.float8_e4m3fn
     summ = None
@@ -235,10 +272,16 @@ class FoldKVCache:
       sshape = (num_pages, n_kv_heads, cfg.d_pad)
       summ = (jnp.zeros(sshape, dt), jnp.zeros(sshape, dt),
               jnp.zeros(sshape, jnp.float32), jnp.zeros(sshape, jnp.float32))
+    kv_dt = jnp.dtype(kv_name) if kv_name else dt
+    # Two buffers (not one shared) so that the cache can be donated.
+    scales = (lambda: jnp.zeros((num_pages, n_kv_heads), jnp.float32)
+              if kv_name else None)
     return cls(
         config=cfg,
-        k_pages=jnp.zeros(shape, dt),
-        v_pages=jnp.zeros(shape, e4m3 if v8 else dt),
+        k_scales=scales(),
+        v_scales=scales(),
+        k_pages=jnp.zeros(shape, kv_dt),
+        v_pages=jnp.zeros(shape, e4m3 if v8 else kv_dt),
         v_res=jnp.zeros(shape, e4m3) if v8 else None,
         v_scale=jnp.zeros((), jnp.float32) if v8 else None,
         summaries=summ,
@@ -267,7 +310,7 @@ class FoldKVCache:
       return self
     err = int(self.error)
     if err:
-      what = [n for bit, n in _ERR_NAMES.items() if err & bit]
+      what = [n for bit, n in ERROR_NAMES.items() if err & bit]
       raise ValueError(f"FoldKVCache.error = {err}: an operation under "
                        f"jax.jit was refused ({'; '.join(what)}); those "
                        "operations left the cache unchanged.")
@@ -319,12 +362,12 @@ class FoldKVCache:
     """
     cfg = self.config
     val.check_qkv(q, k, v, packed=True)
-    if (q.shape[1], q.shape[2]) != (cfg.n_heads, cfg.head_dim) or \
-        k.shape[1] != cfg.n_kv_heads:
-      raise ValueError(
-          f"prefill expects q [total, {cfg.n_heads}, {cfg.head_dim}] and k, v "
-          f"[total, {cfg.n_kv_heads}, {cfg.head_dim}]; got q "
-          f"{tuple(q.shape)}, k {tuple(k.shape)}.")
+    _ckv.check_prefill_heads(q.shape, k.shape, n_heads=cfg.n_heads,
+                             n_kv_heads=cfg.n_kv_heads,
+                             head_dim=cfg.head_dim)
+    if jnp.dtype(k.dtype) != self.dtype:
+      raise TypeError(f"k has dtype {k.dtype}; the cache stores "
+                      f"{self.dtype} (they must match: cast k, v first).")
     val.check_cu_seqlens("cu_seqlens", cu_seqlens, k.shape[0])
     cu = jnp.asarray(cu_seqlens, jnp.int32)
     n_seq = cu.shape[0] - 1
@@ -335,9 +378,7 @@ class FoldKVCache:
       seq_ids = jnp.arange(n_seq, dtype=jnp.int32)
     else:
       val.check_array("seq_ids", seq_ids, ndim=1, layout="[num_seqs]")
-      if seq_ids.shape[0] != n_seq:
-        raise ValueError(f"seq_ids must have shape [num_seqs] = [{n_seq}]; "
-                         f"got {tuple(seq_ids.shape)}.")
+      _ckv.check_seq_ids("seq_ids", seq_ids.shape, seq_ids.dtype, n_seq)
       seq_ids = jnp.asarray(seq_ids, jnp.int32)
     mq = val.concrete_max_seqlen("max_seqlen", cu_seqlens, max_seqlen)
     if _concrete(cu, seq_ids, self.lengths_, self.n_free):
@@ -416,24 +457,17 @@ def _check_append(cfg: CacheConfig, k, v, active):
   for name, x in (("k", k), ("v", v)):
     val.check_array(name, x, ndim=(3, 4),
                     layout="[batch, (n,) n_kv_heads, head_dim]")
-    val.check_float_dtype(name, x)
-  if k.shape != v.shape:
-    raise ValueError(f"k and v must have the same shape; got k "
-                     f"{tuple(k.shape)} and v {tuple(v.shape)}.")
+  if active is not None:
+    val.check_array("active", active, ndim=1, layout="[batch]")
+  _ckv.check_append(k.shape, v.shape, k.dtype, v.dtype, batch=cfg.batch,
+                    n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+                    cache_dtype=cfg.dtype,
+                    active_shape=None if active is None else active.shape)
   if k.ndim == 3:
     k, v = k[:, None], v[:, None]
-  want = (cfg.batch, cfg.n_kv_heads, cfg.head_dim)
-  if (k.shape[0], k.shape[2], k.shape[3]) != want:
-    raise ValueError(f"k must have shape [batch, (n,) n_kv_heads, head_dim] = "
-                     f"[{want[0]}, (n,) {want[1]}, {want[2]}]; got "
-                     f"{tuple(k.shape)}.")
   if active is None:
     active = jnp.ones((cfg.batch,), bool)
   else:
-    val.check_array("active", active, ndim=1, layout="[batch]")
-    if active.shape[0] != cfg.batch:
-      raise ValueError(f"active must have shape [batch] = [{cfg.batch}]; got "
-                       f"{tuple(active.shape)}.")
     active = jnp.asarray(active).astype(bool)
   return k, v, active
 
@@ -505,8 +539,11 @@ def _append_one(cache: FoldKVCache, k, v, act):
   page_w = jnp.where(act, page, p)  # out of range: dropped
   off = pos % s
   kp = _pad_kv(cfg, k).astype(cache.dtype)
-  vc, vr, scale = _encode_values(cache, _pad_kv(cfg, v), act[:, None, None])
   slot_w = jnp.where(need, rows, cfg.batch)  # a page's first key: its anchor
+  if cfg.fp8:
+    return _append_one_fp8(cache, kp, _pad_kv(cfg, v).astype(cache.dtype),
+                           act, need, page, page_w, off, lp, bt, need_i)
+  vc, vr, scale = _encode_values(cache, _pad_kv(cfg, v), act[:, None, None])
   upd = dict(
       k_pages=cache.k_pages.at[page_w, off].set(kp, mode="drop"),
       v_pages=cache.v_pages.at[page_w, off].set(vc, mode="drop"),
@@ -572,12 +609,25 @@ def _prefill_core(cache: FoldKVCache, k, v, cu, seq_ids, *, mp: int):
   tok = jnp.clip(cu[:-1, None, None] + rel, 0, k.shape[0] - 1)
   kd = jnp.where(tmask, _pad_kv(cfg, k)[tok], 0).astype(cache.dtype)
   vd = jnp.where(tmask, _pad_kv(cfg, v)[tok], 0)
-  vc, vr, scale = _encode_values(cache, vd,
-                                 tmask & has[..., None, None, None])
   shp = (n_seq * mp, s, cfg.n_kv_heads, cfg.d_pad)
-  upd = dict(
-      k_pages=cache.k_pages.at[pages_w].set(kd.reshape(shp), mode="drop"),
-      v_pages=cache.v_pages.at[pages_w].set(vc.reshape(shp), mode="drop"))
+  if cfg.fp8:
+    # Each page quantised from its own filled tokens (in the compute dtype).
+    kv_dt = jnp.dtype(cfg.kv_dtype)
+    counts = jnp.clip(seq_len[:, None] - pidx * s, 0, s).reshape(-1)
+    kq, ks = quantise_pages(kd.reshape(shp), counts, kv_dt)
+    vq, vs = quantise_pages(vd.astype(cache.dtype).reshape(shp), counts,
+                            kv_dt)
+    upd = dict(k_pages=cache.k_pages.at[pages_w].set(kq, mode="drop"),
+               v_pages=cache.v_pages.at[pages_w].set(vq, mode="drop"),
+               k_scales=cache.k_scales.at[pages_w].set(ks, mode="drop"),
+               v_scales=cache.v_scales.at[pages_w].set(vs, mode="drop"))
+    kd = dequantise(kq, ks[:, None, :, None], cache.dtype).reshape(kd.shape)
+  else:
+    vc, vr, scale = _encode_values(cache, vd,
+                                   tmask & has[..., None, None, None])
+    upd = dict(
+        k_pages=cache.k_pages.at[pages_w].set(kd.reshape(shp), mode="drop"),
+        v_pages=cache.v_pages.at[pages_w].set(vc.reshape(shp), mode="drop"))
   if cfg.v8:
     upd["v_res"] = cache.v_res.at[pages_w].set(vr.reshape(shp), mode="drop")
     upd["v_scale"] = jnp.where(ok, scale, cache.v_scale)
@@ -628,33 +678,29 @@ def _decode(cache: FoldKVCache, q, *, softmax_scale, sinks, window_size,
   cfg = cache.config
   val.check_array("q", q, ndim=(3, 4), layout="[batch, (q_len,) n_heads, "
                   "head_dim]")
-  val.check_float_dtype("q", q)
-  if jnp.dtype(q.dtype) != cache.dtype:
-    raise TypeError(f"q has dtype {q.dtype}; the cache stores "
-                    f"{cache.dtype} (they must match).")
-  want = (cfg.batch, cfg.n_heads, cfg.head_dim)
-  got = (q.shape[0], q.shape[-2], q.shape[-1])
-  if got != want:
-    raise ValueError(f"q must have shape [batch, (q_len,) n_heads, head_dim] "
-                     f"= [{want[0]}, (q_len,) {want[1]}, {want[2]}]; got "
-                     f"{tuple(q.shape)}.")
-  if q.ndim == 4 and not 1 <= q.shape[1] <= MAX_DRAFT:
-    raise ValueError(f"a draft has 1..{MAX_DRAFT} tokens (q.shape[1]); got "
-                     f"{q.shape[1]}.")
+  _ckv.check_decode_q(q.shape, q.dtype, batch=cfg.batch, n_heads=cfg.n_heads,
+                      head_dim=cfg.head_dim, cache_dtype=cfg.dtype,
+                      max_draft=MAX_DRAFT)
   left, _ = val.check_window(window_size)
   softcap = val.check_softcap(softcap)
   scale = val.check_softmax_scale(softmax_scale, cfg.head_dim)
   val.check_sinks(sinks, cfg.n_heads)
-  if num_splits is not None:
-    num_splits = _check_int("num_splits", num_splits)
+  num_splits = _ckv.check_num_splits(num_splits)
   be = resolve_backend(backend, kernel="fold_attn_with_kvcache")
   kw = dict(softmax_scale=scale, sinks=sinks, window_left=left,
             softcap=softcap, depth=cfg.depth, v_res=cache.v_res,
             v_scale=cache.v_scale, summaries=cache.summaries,
             v8_depth=cfg.v8_depth)
   if be == "xla":
-    return _xla_decode_jit(q, cache.k_pages, cache.v_pages, cache.block_table,
-                           cache.lengths_, **kw)
+    kpg, vpg = cache.k_pages, cache.v_pages
+    if cfg.fp8:
+      # The fallback dequantises the pool (exact: power-of-two scales).
+      kpg = dequantise_pages(kpg, cache.k_scales, cache.dtype)
+      vpg = dequantise_pages(vpg, cache.v_scales, cache.dtype)
+    return _xla_decode_jit(q, kpg, vpg, cache.block_table, cache.lengths_,
+                           **kw)
+  if cfg.fp8:
+    kw.update(k_scales=cache.k_scales, v_scales=cache.v_scales)
   interpret = be == "interpret"
   return paged_decode(q, cache.k_pages, cache.v_pages, cache.block_table,
                       cache.lengths_, anchors=cache.anchors,

@@ -61,6 +61,7 @@ from jax import lax
 from jax_api._backend import _gpu_capability, resolve_backend
 from jax_api._corpus import CharTokenizer, corpus_text
 from jax_api.flax.decoder import DecoderAttention
+from jax_api.generate import decode_loop
 from jax_api.kvcache import FoldKVCache
 
 __all__ = ["LMConfig", "SIZES", "TinyLM", "init_caches", "make_train_step",
@@ -368,25 +369,15 @@ def generate(cfg: LMConfig, params, prompt: np.ndarray, n_new: int, *,
   b, t = prompt.shape
   caches = init_caches(cfg, b, t + n_new, page_size)
 
-  def pick(logits, key):
-    if temperature <= 0:
-      return jnp.argmax(logits, -1).astype(jnp.int32)
-    return jax.random.categorical(key, logits / temperature).astype(jnp.int32)
-
-  @jax.jit
+  # One dispatch for the whole sample: prefill, then `decode_loop`'s
+  # lax.while_loop over tokens, the caches donated (updated in place).
+  @functools.partial(jax.jit, donate_argnums=2)
   def run(params, prompt, caches, key):
     logits, caches = model.apply(params, prompt, caches, method="prefill")
-    keys = jax.random.split(key, n_new)
-    tok = pick(logits[:, -1], keys[0])
-
-    def body(carry, k):
-      tok, caches = carry
-      logits, caches = model.apply(params, tok, caches, method="decode_step")
-      nxt = pick(logits, k)
-      return (nxt, caches), tok
-
-    (last, caches), toks = jax.lax.scan(body, (tok, caches), keys[1:])
-    toks = jnp.concatenate([toks, last[None]], 0).T
+    step = lambda tok, c: model.apply(params, tok, c,  # noqa: E731
+                                      method="decode_step")
+    toks, caches, _ = decode_loop(step, logits[:, -1], caches, n_new,
+                                  key=key, temperature=float(temperature))
     return toks, caches
 
   toks, caches = run(params, prompt, caches, jax.random.key(seed))

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from jax_api.deberta import disentangled_attention
-from pallas_kernels.deberta import _dropout
-from pallas_kernels.deberta._geometry import geometry
+from pallas_kernels.deberta import dropout_hash
+from pallas_kernels.deberta.layout import geometry
 from pallas_kernels.deberta.reference import (
     disentangled_attention_dropout_reference)
 from pallas_kernels.reference.deberta import disentangled_attention_reference
@@ -317,7 +317,7 @@ def test_dropout_same_mask_forward_and_backward():
   extra = {"attention_mask": mask, "dropout_rng": rng}
   out, grads = _run("interpret", q, k, v, pk, pq, w, extra,
                     dropout_rate=rate, **kw)
-  keep = _dropout.keep_mask_padded(_dropout.seed_from_rng(rng), h, b, s, rate)
+  keep = dropout_hash.keep_mask_padded(dropout_hash.seed_from_rng(rng), h, b, s, rate)
   frac = float(jnp.mean(keep))
   assert abs(frac - (1 - rate)) < 0.03, frac
   # Reference with the same explicit mask: forward and all gradients agree,

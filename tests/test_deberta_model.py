@@ -14,8 +14,8 @@ import pytest
 from jax_api.deberta.convert import (from_hf,
                                      from_hf_for_sequence_classification,
                                      from_hf_nnx, to_hf_state_dict)
-from jax_api.deberta.modules import (DebertaV2Config, DebertaV2Model,
-                                     linen_params)
+from jax_api.deberta.modules import DebertaV2Config, DebertaV2Model
+from jax_api.deberta.modules_nnx import linen_params
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -256,7 +256,7 @@ def test_sequence_bits_independent_of_batch_and_packing(mode, monkeypatch):
 def test_grid_exponent_matches_frexp():
   """The atomic dQ's in-kernel grid exponent (float bits) is jnp.frexp's,
   clipped; pow2 builds exact powers of two."""
-  from pallas_kernels.flash import _preprocess as pre
+  from pallas_kernels.flash import preprocess as pre
   x = jnp.array([0.0, 1e-45, 1e-38, 2.0**-126, 0.3, 0.5, 1.0, 1.5, 2.0,
                  3e5, 2.0**100, 3e38, np.inf, np.nan], jnp.float32)
   want = jnp.clip(jnp.frexp(x)[1], pre.E_MIN, pre.E_MAX)
@@ -300,7 +300,7 @@ def test_static_options_do_not_recompile():
 
 def test_lowers_for_triton_on_cpu(fake_h200):
   """The kernels lower to Triton IR (what the GPU compiles) on any machine."""
-  from pallas_kernels.flash._tiles import MaskConfig
+  from pallas_kernels.flash.tiles import MaskConfig
   from pallas_kernels.flash.backward import flash_backward
   from pallas_kernels.flash.config import block_sizes_for
   from pallas_kernels.flash.forward import flash_forward
@@ -339,8 +339,8 @@ def _use_compiler(monkeypatch, compiler):
   or "auto"; on the GPU, pip Triton must then really be usable)."""
   monkeypatch.setenv("FOLDAX_KERNEL_COMPILER", compiler)
   if compiler != "xla":
-    from pallas_kernels import _pip_triton
-    assert _pip_triton.available() is None, _pip_triton.available()
+    from pallas_kernels import pip_triton
+    assert pip_triton.available() is None, pip_triton.available()
 
 
 COMPILERS = ("xla", "triton")
@@ -464,10 +464,10 @@ def test_launch_order_runs_every_program_once():
   """Every (tile, sequence, head) is run by exactly one program, for any
   wave size; within a wave the costliest tile of every head comes first;
   the wave fits L2 when sized automatically."""
-  from pallas_kernels.flash import _tiles
+  from pallas_kernels.flash import tiles
   for heads, wave, reverse in [(8, 1, True), (8, 2, False), (8, 8, True),
                                (6, 3, False)]:
-    order = _tiles.launch_order(n_tiles=5, num_seqs=3, heads=heads,
+    order = tiles.launch_order(n_tiles=5, num_seqs=3, heads=heads,
                                 heads_per_wave=wave, bytes_per_head=1,
                                 reverse=reverse)
     ga, gb, gc = order.grid
@@ -478,7 +478,7 @@ def test_launch_order_runs_every_program_once():
     costliest = 4 if reverse else 0
     assert [t for t, _, _ in launched[:wave]] == [costliest] * wave
   mb = 1 << 20
-  auto = lambda **kw: _tiles.launch_order(
+  auto = lambda **kw: tiles.launch_order(
       n_tiles=1, num_seqs=1, heads_per_wave=0, reverse=True, **kw)
   assert auto(heads=16, bytes_per_head=4 * mb).heads_per_wave == 4
   assert auto(heads=16, bytes_per_head=4 * mb,
@@ -486,10 +486,10 @@ def test_launch_order_runs_every_program_once():
   assert auto(heads=12, bytes_per_head=5 * mb).heads_per_wave == 3
   assert auto(heads=16, bytes_per_head=64 * mb).heads_per_wave == 1
   # A set wave is a cap: the largest divisor of the heads up to it.
-  assert _tiles.launch_order(n_tiles=1, num_seqs=1, heads=16, heads_per_wave=7,
+  assert tiles.launch_order(n_tiles=1, num_seqs=1, heads=16, heads_per_wave=7,
                              bytes_per_head=1, reverse=True).heads_per_wave == 4
   with pytest.raises(ValueError, match="heads_per_wave"):
-    _tiles.launch_order(n_tiles=1, num_seqs=1, heads=16, heads_per_wave=-1,
+    tiles.launch_order(n_tiles=1, num_seqs=1, heads=16, heads_per_wave=-1,
                         bytes_per_head=1, reverse=True)
 
 
@@ -498,7 +498,7 @@ def test_launch_order_keeps_the_bits(mode):
   """The launch order only reorders programs: forward, LSE and gradients
   are bitwise equal for waves of 1, 2 and all 4 heads (GQA, causal,
   packed sequences of different lengths)."""
-  from pallas_kernels.flash._tiles import MaskConfig
+  from pallas_kernels.flash.tiles import MaskConfig
   from pallas_kernels.flash.backward import flash_backward
   from pallas_kernels.flash.config import BlockSizes
   from pallas_kernels.flash.forward import flash_forward

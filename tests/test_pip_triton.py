@@ -1,4 +1,4 @@
-"""The pip-Triton lowering of the flash kernels (`pallas_kernels._pip_triton`)
+"""The pip-Triton lowering of the flash kernels (`pallas_kernels.pip_triton`)
 checked on CPU: which compiler a trace gets, the custom call it lowers to
 (for sm_90, GPU query stubbed; pip Triton really compiles the cubins), and
 the protobuf bytes that carry the cubin to jaxlib. Its GPU twins (reference
@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels import _pip_triton, _triton_ir
+from pallas_kernels import pip_triton, triton_ir
 from pallas_kernels.flash import config
 
 
@@ -59,19 +59,19 @@ def test_block_choice_per_compiler_setting(monkeypatch):
 
 
 def test_compiler_params_by_compiler():
-  assert type(_pip_triton.compiler_params("xla", 4, 2)).__name__ == \
+  assert type(pip_triton.compiler_params("xla", 4, 2)).__name__ == \
       "CompilerParams"
-  p = _pip_triton.compiler_params("triton", 8, 3)
-  assert isinstance(p, _pip_triton.PipTritonCompilerParams)
+  p = pip_triton.compiler_params("triton", 8, 3)
+  assert isinstance(p, pip_triton.PipTritonCompilerParams)
   assert (p.num_warps, p.num_stages) == (8, 3)
 
 
 def test_protobuf_wire_format():
   """Known encodings (protobuf's encoding guide): varint 300, a string."""
-  assert _pip_triton._varint(1) == b"\x01"
-  assert _pip_triton._varint(300) == b"\xac\x02"
-  assert _pip_triton._field(2, b"testing") == b"\x12\x07testing"
-  assert _pip_triton._field_u32(3, 150) == b"\x18\x96\x01"
+  assert pip_triton._varint(1) == b"\x01"
+  assert pip_triton._varint(300) == b"\xac\x02"
+  assert pip_triton._field(2, b"testing") == b"\x12\x07testing"
+  assert pip_triton._field_u32(3, 150) == b"\x18\x96\x01"
 
 
 def test_flash_kernels_lower_to_jaxlib_triton_call(fake_h200, monkeypatch):
@@ -80,19 +80,19 @@ def test_flash_kernels_lower_to_jaxlib_triton_call(fake_h200, monkeypatch):
   arguments as the call has buffers, and Pallas' grid. Capturing IR
   (the torch bridge) still goes through Pallas' own rule."""
   pytest.importorskip("triton")
-  from pallas_kernels.flash._tiles import MaskConfig
+  from pallas_kernels.flash.tiles import MaskConfig
   from pallas_kernels.flash.backward import flash_backward
   from pallas_kernels.flash.forward import flash_forward
-  monkeypatch.setattr(_pip_triton, "available", lambda: None)
+  monkeypatch.setattr(pip_triton, "available", lambda: None)
   calls = []
 
   def opaque(compiled, num_warps, grid, n_buffers, cc, name):
     calls.append(dict(name=name, warps=num_warps, grid=grid, cc=cc,
                       n=n_buffers, cubin=len(compiled.asm["cubin"]),
-                      ptrs=_triton_ir.pointer_count(compiled.asm["ttir"])))
+                      ptrs=triton_ir.pointer_count(compiled.asm["ttir"])))
     return name.encode()
 
-  monkeypatch.setattr(_pip_triton, "kernel_call_opaque", opaque)
+  monkeypatch.setattr(pip_triton, "kernel_call_opaque", opaque)
   sds = jax.ShapeDtypeStruct
   t, hq, hkv, d = 256, 4, 2, 64
   q, kv = sds((t, hq, d), jnp.bfloat16), sds((t, hkv, d), jnp.bfloat16)
@@ -110,7 +110,7 @@ def test_flash_kernels_lower_to_jaxlib_triton_call(fake_h200, monkeypatch):
           lowering_platforms=("cuda",)).as_text(),
       bwd.trace(q, kv, kv, q, rows, q, cu, cu).lower(
           lowering_platforms=("cuda",)).as_text()]
-  captured = _triton_ir.capture_triton_ir(
+  captured = triton_ir.capture_triton_ir(
       jax.jit(lambda *a: flash_forward(*a, cfg=cfg, blocks=blocks,
                                        max_seqlen_q=128)),
       (q, kv, kv, cu, cu))
@@ -133,7 +133,7 @@ def test_flash_kernels_lower_to_jaxlib_triton_call(fake_h200, monkeypatch):
 def _lower_small_forward() -> str:
   """StableHLO of a small non-causal forward whose blocks ask for pip
   Triton, lowered for CUDA (fresh jit: Pallas' lowering really runs)."""
-  from pallas_kernels.flash._tiles import MaskConfig
+  from pallas_kernels.flash.tiles import MaskConfig
   from pallas_kernels.flash.forward import flash_forward
   sds = jax.ShapeDtypeStruct
   q = sds((64, 2, 64), jnp.bfloat16)
@@ -150,7 +150,7 @@ def _lower_small_forward() -> str:
 def test_unavailable_pip_triton_is_an_error(fake_h200, monkeypatch):
   """Asked for pip Triton where it cannot run: a clear error at lowering,
   not a silent XLA compile."""
-  monkeypatch.setattr(_pip_triton, "available", lambda: "no CUDA plugin")
+  monkeypatch.setattr(pip_triton, "available", lambda: "no CUDA plugin")
   with pytest.raises(RuntimeError, match="no CUDA plugin"):
     _lower_small_forward()
 
@@ -160,12 +160,12 @@ def test_compile_failure_under_auto_falls_back_once(fake_h200, monkeypatch,
   """With FOLDAX_KERNEL_COMPILER=auto a kernel pip Triton cannot compile is
   compiled by XLA instead, said once; asked for "triton", it is an error."""
   import logging
-  monkeypatch.setattr(_pip_triton, "available", lambda: None)
+  monkeypatch.setattr(pip_triton, "available", lambda: None)
 
   def broken(*a, **k):
     raise RuntimeError("ptxas exploded")
 
-  monkeypatch.setattr(_pip_triton, "compile_ttir", broken)
+  monkeypatch.setattr(pip_triton, "compile_ttir", broken)
   monkeypatch.setenv("FOLDAX_KERNEL_COMPILER", "auto")
   with caplog.at_level(logging.WARNING, logger="pallas_kernels"):
     text = _lower_small_forward()
@@ -182,13 +182,13 @@ def test_compile_failure_under_auto_falls_back_once(fake_h200, monkeypatch,
 def test_auto_needs_the_tested_triton(monkeypatch):
   pytest.importorskip("triton")
   import triton
-  monkeypatch.setattr(_pip_triton, "available", lambda: None)
-  _pip_triton.auto_ready.cache_clear()
+  monkeypatch.setattr(pip_triton, "available", lambda: None)
+  pip_triton.auto_ready.cache_clear()
   try:
     monkeypatch.setattr(triton, "__version__", "3.9.1")
-    assert "3.9.1" in _pip_triton.auto_ready()
-    _pip_triton.auto_ready.cache_clear()
+    assert "3.9.1" in pip_triton.auto_ready()
+    pip_triton.auto_ready.cache_clear()
     monkeypatch.setattr(triton, "__version__", "3.6.0")
-    assert _pip_triton.auto_ready() is None
+    assert pip_triton.auto_ready() is None
   finally:
-    _pip_triton.auto_ready.cache_clear()
+    pip_triton.auto_ready.cache_clear()

@@ -622,7 +622,7 @@ def test_gpu_stream_ordering():
 def test_gpu_overhead_report():
   """Bridge time minus the JAX call alone at B1 H16 S128 D128 (target <=
   25 us on the H200); printed, and bounded loosely here."""
-  from torch_bridge import bench
+  from benchmarks import bridge_calls as bench
   r = bench.overhead(seq=128, iters=200)
   print(r)
   assert r["overhead_us"] < 200
@@ -731,7 +731,7 @@ def test_gpu_kvcache_decode_matches_dense():
 # ----------------------------------------------------------------------------
 
 def test_direct_launch_eligibility(monkeypatch):
-  from torch_bridge import _direct
+  from torch_bridge import _direct, _direct_deberta  # noqa: F401
   static = ("pallas", True, -1, 0, 0.0, 0.125, 0, 0, False)
   q = torch.zeros(1, 8, 2, 64)
   assert not _direct.eligible(static, q, q, None, None, None)  # CPU tensor
@@ -748,7 +748,7 @@ def test_direct_plan_for_call_is_one_lookup_and_reads_the_switches(
     monkeypatch):
   """plan_for_call decides eligibility and builds the plan once per key;
   the environment switches are read on every call."""
-  from torch_bridge import _direct
+  from torch_bridge import _direct, _direct_deberta  # noqa: F401
   seen = []
   monkeypatch.setattr(_direct, "eligible", lambda *a: seen.append("e") or True)
   monkeypatch.setattr(_direct, "plan",
@@ -781,7 +781,7 @@ def test_launch_hooks_are_seen_only_when_set():
   must not take them for hooks, and must step aside for a real one."""
   pytest.importorskip("triton")
   from triton import knobs
-  from torch_bridge import _direct
+  from torch_bridge import _direct, _direct_deberta  # noqa: F401
   runtime = knobs.runtime
   assert not _direct._hooks_set()
 
@@ -808,7 +808,7 @@ def test_direct_launch_failure_is_said_once_and_falls_back(caplog):
   """A plan that cannot be built is tried once; the error is logged once
   and the calls take the general path (plan None)."""
   import logging
-  from torch_bridge import _direct
+  from torch_bridge import _direct, _direct_deberta  # noqa: F401
   calls = []
 
   def build():
@@ -836,7 +836,7 @@ def test_direct_launch_captures_every_kernel(fake_h200, monkeypatch, has_sinks,
   grid the JAX path uses; pip Triton compiles them to cubins."""
   if compile_kernels:
     pytest.importorskip("triton")
-  from torch_bridge import _direct
+  from torch_bridge import _direct, _direct_deberta  # noqa: F401
   static = ("pallas", True, 64, 0, 0.0, 0.125, 0, 0, False)
   shape = _direct._Shape(2, 96, 80, 8, 2, 64, torch.bfloat16, has_sinks,
                          has_segments)
@@ -865,7 +865,7 @@ def test_backward_code_choice(monkeypatch):
   """FOLDAX_TORCH_BWD_CODE: XLA's compile of the backward by default
   without GQA, pip Triton's with it; either when asked; a clear error
   otherwise."""
-  from torch_bridge import _direct
+  from torch_bridge import _direct, _direct_deberta  # noqa: F401
   monkeypatch.delenv("FOLDAX_TORCH_BWD_CODE", raising=False)
   assert _direct._xla_code_wanted(gqa=False)
   assert not _direct._xla_code_wanted(gqa=True)
@@ -953,7 +953,7 @@ def test_gpu_direct_launch_matches_jax_path(monkeypatch, causal, window,
   outputs, LSE and every gradient agree to rounding, and repeated calls
   give the same bits. bwd_code "triton": the backward runs pip Triton's
   compile, whose lean launch must give the bits of Triton's own launcher."""
-  from torch_bridge import _direct
+  from torch_bridge import _direct, _direct_deberta  # noqa: F401
   # Which compile the backward runs (the default: XLA's without GQA only).
   monkeypatch.setenv("FOLDAX_TORCH_BWD_CODE", bwd_code)
   monkeypatch.setattr(_direct, "_plans", {})
@@ -1019,7 +1019,7 @@ def test_graph_capture_refuses_what_it_cannot_record(monkeypatch):
   plan's first constants raise (they would run once, at capture, and never
   on replay); plans already built are still served. (GPU queries stubbed;
   the GPU test captures for real.)"""
-  from torch_bridge import _direct
+  from torch_bridge import _direct, _direct_deberta  # noqa: F401
   from torch_bridge import _runtime as rt
   rt.refuse_in_graph_capture(torch.device("cpu"), "x")  # no CUDA: no-op
   monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
@@ -1045,7 +1045,7 @@ def test_gpu_cuda_graphs_replay_the_eager_bits(monkeypatch):
   torch.cuda.graph, replay on new inputs with the eager call's bits. A call
   through JAX refuses capture with an error rather than being recorded as
   nothing."""
-  from torch_bridge import _direct
+  from torch_bridge import _direct, _direct_deberta  # noqa: F401
   monkeypatch.setattr(_direct, "_plans", {})
   monkeypatch.setattr(_direct, "_call_plans", {})
   torch.manual_seed(0)
@@ -1164,13 +1164,13 @@ def test_direct_launch_captures_deberta_kernels(fake_h200, monkeypatch, c2p, p2c
     pytest.importorskip("triton")
   import jax_api._backend
   import jax_api.deberta.attention
-  from torch_bridge import _direct
+  from torch_bridge import _direct, _direct_deberta  # noqa: F401
   from torch_bridge.deberta import DebertaConfig
   for mod in (jax_api._backend, jax_api.deberta.attention):
     monkeypatch.setattr(mod, "_gpu_capability", lambda: (9, 0))
   cfg = DebertaConfig("pallas", 32, 64, c2p, p2c, 0.0, 0)
-  shape = _direct._DebertaShape(2, 96, 4, 64, torch.float16, has_mask, 80)
-  plan = _direct.DebertaPlan(cfg, shape, (9, 0),
+  shape = _direct_deberta._DebertaShape(2, 96, 4, 64, torch.float16, has_mask, 80)
+  plan = _direct_deberta.DebertaPlan(cfg, shape, (9, 0),
                              compile_kernels=compile_kernels)
   assert set(plan.ir) == {"fold_deberta_position_table",
                           "fold_deberta_forward"}
@@ -1193,14 +1193,14 @@ def test_deberta_used_lengths_match_the_jax_side():
   MASKED_ROW, -1)."""
   import jax.numpy as jnp
   from jax_api.deberta.attention import _used_lengths
-  from torch_bridge import _direct
+  from torch_bridge import _direct, _direct_deberta  # noqa: F401
   s = 12
   mask = torch.ones(5, s, dtype=torch.int32)
   mask[1, 7:] = 0
   mask[2, :3] = 0
   mask[3] = 0
   mask[4, 5] = 0
-  got = _direct._used_lengths(mask != 0, s)
+  got = _direct_deberta._used_lengths(mask != 0, s)
   cu = jnp.arange(6, dtype=jnp.int32) * s
   want = _used_lengths(jnp.asarray(mask.numpy().reshape(-1)), cu, s)
   assert got.tolist() == [12, 7, -1, 0, -1] == [int(x) for x in want]
@@ -1212,7 +1212,7 @@ def test_gpu_deberta_direct_forward_matches_jax_path(monkeypatch):
   """The DeBERTa direct forward (padding mask, both position terms) against
   the same kernels through JAX and DLPack; repeated calls give the same
   bits."""
-  from torch_bridge import _direct
+  from torch_bridge import _direct, _direct_deberta  # noqa: F401
   from torch_bridge.deberta import disentangled_attention as attn
   torch.manual_seed(0)
   b, s, h, d = 4, 200, 4, 64
@@ -1231,7 +1231,7 @@ def test_gpu_deberta_direct_forward_matches_jax_path(monkeypatch):
   n_plans = len(_direct._plans)
   direct = run()
   assert len(_direct._plans) == n_plans + 1  # it took the direct path
-  assert isinstance(list(_direct._plans.values())[-1], _direct.DebertaPlan)
+  assert isinstance(list(_direct._plans.values())[-1], _direct_deberta.DebertaPlan)
   assert torch.equal(direct, run())
   assert not direct[mask == 0].any()  # padded rows are written as 0
   monkeypatch.setenv("FOLDAX_TORCH_LAUNCH", "jax")

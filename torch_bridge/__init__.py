@@ -24,9 +24,9 @@ Float64 inputs (for `torch.autograd.gradcheck`) run the XLA path with
 Streams, DLPack and lifetimes: see `torch_bridge._runtime`.
 """
 
-from torch_bridge import _runtime
+from torch_bridge import _runtime, settings
 
-_SET_ALLOCATOR = _runtime.configure_jax_allocator()
+_SET_ALLOCATOR = settings.configure_jax_allocator()
 _runtime.warn_if_jax_initialised_early(_SET_ALLOCATOR)
 
 from torch_bridge.attention import (fold_attn_func,  # noqa: E402

@@ -51,14 +51,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import os
 import threading
 
 import torch
 
-from pallas_kernels._pip_triton import compile_ttir
-from pallas_kernels._triton_ir import capture_triton_ir, pointer_count
+from pallas_kernels.pip_triton import compile_ttir
+from pallas_kernels.triton_ir import capture_triton_ir, pointer_count
 from torch_bridge import _runtime as rt
+from torch_bridge._launchers import (_hooks_set, _lean_launcher,  # noqa: F401
+                                    _xla_launcher)
+from torch_bridge import settings
 
 LN2 = 0.6931471805599453
 LOG2E = 1.4426950408889634
@@ -71,11 +73,7 @@ _KERNELS = ("fold_flash_forward", "fold_flash_backward_preprocess",
 
 def enabled() -> bool:
   """False when FOLDAX_TORCH_LAUNCH=jax or pip Triton is missing."""
-  mode = os.environ.get("FOLDAX_TORCH_LAUNCH", "direct")
-  if mode not in ("direct", "jax"):
-    raise ValueError("FOLDAX_TORCH_LAUNCH must be 'direct' or 'jax'; got "
-                     f"{mode!r}.")
-  if mode == "jax":
+  if settings.launch() == "jax":
     return False
   return _triton_available()
 
@@ -200,81 +198,6 @@ def _jax_dtype(dtype: torch.dtype):
           torch.float32: jnp.float32}[dtype]
 
 
-def _lean_launcher(kernel, grid):
-  """launch(stream, *args) straight into the compiled kernel's C launcher,
-  or None. Triton's `kernel[grid](*args)` looks up the current device and
-  stream and builds launch metadata on every call (about 30 us of host time
-  per launch besides the C launch, under cProfile on the H200's host:
-  benchmarks/results/h200/bridge-host-2026-12-03/prof-deberta-b1.json); the
-  plans know the stream. Only for pip Triton 3.6, whose launcher's
-  argument order this follows, and kernels without scratch buffers;
-  launch hooks (profilers) take the full path at call time."""
-  import triton
-  if not triton.__version__.startswith("3.6."):
-    return None
-  try:
-    kernel._init_handles()
-    run = kernel.run
-    if run.global_scratch_size or run.profile_scratch_size:
-      return None
-    c_launch, function = run.launch, kernel.function
-    fixed = (function, run.launch_cooperative_grid, run.launch_pdl, None,
-             None, kernel.packed_metadata, None, None, None)
-  except AttributeError:
-    return None
-  gx, gy, gz = (tuple(grid) + (1, 1))[:3]
-
-  def launch(stream, *args):
-    c_launch(gx, gy, gz, stream, *fixed, *args)
-
-  return launch
-
-
-def _xla_launcher(kernel, xk):
-  """launch(stream, *args) of XLA's compile `xk` (an `_xla_cubin.XlaKernel`)
-  through the C launcher of pip Triton's compile `kernel` of the same IR
-  (the caller checked that their parameters agree), with XLA's grid,
-  threads and shared memory."""
-  import triton
-  from triton.runtime import driver
-  if not triton.__version__.startswith("3.6."):
-    return None
-  kernel._init_handles()
-  run = kernel.run
-  if run.global_scratch_size or run.profile_scratch_size:
-    return None
-  device = torch.cuda.current_device()
-  module, function, _, _, _ = driver.active.utils.load_binary(
-      xk.name, xk.cubin, xk.shared, device)
-  fixed = (function, run.launch_cooperative_grid, run.launch_pdl, None, None,
-           (xk.threads // 32, 1, xk.shared), None, None, None)
-  c_launch = run.launch
-  gx, gy, gz = xk.grid
-
-  def launch(stream, *args):
-    c_launch(gx, gy, gz, stream, *fixed, *args)
-
-  launch.module = module  # loaded for as long as the launcher lives
-  return launch
-
-
-def _hooks_set() -> bool:
-  """Launch hooks installed (a profiler such as proton): launches then take
-  Triton's full path, which builds the metadata the hooks read. Triton 3.6
-  always holds hook chains, empty unless a hook was added (a chain's
-  `calls`); earlier versions hold None or the hook."""
-  runtime = _triton_runtime_knobs()
-  enter, exit_ = runtime.launch_enter_hook, runtime.launch_exit_hook
-  return ((enter is not None and bool(getattr(enter, "calls", True))) or
-          (exit_ is not None and bool(getattr(exit_, "calls", True))))
-
-
-@functools.cache
-def _triton_runtime_knobs():
-  from triton import knobs
-  return knobs.runtime
-
-
 _SAME_DEVICE = contextlib.nullcontext()
 
 
@@ -366,15 +289,12 @@ def _xla_code_wanted(gqa: bool) -> bool:
   pip Triton's at B4 S2048 H16/4 D64 (0.526 against 0.555 ms,
   xla-cubin-2026-12-04/gqa-d64; 0.544 against 0.624 ms in
   bridge-host-2026-12-03)."""
-  mode = os.environ.get("FOLDAX_TORCH_BWD_CODE", "auto")
-  if mode not in ("auto", "xla", "triton"):
-    raise ValueError("FOLDAX_TORCH_BWD_CODE must be 'auto', 'xla' or "
-                     f"'triton'; got {mode!r}.")
+  mode = settings.backward_code()
   return mode == "xla" or (mode == "auto" and not gqa)
 
 
 def _lean_enabled() -> bool:
-  return os.environ.get("FOLDAX_TORCH_LEAN_LAUNCH", "1") != "0"
+  return settings.lean_launch()
 
 
 def _raw_stream(device) -> int:
@@ -394,9 +314,9 @@ class DensePlan(_Kernels):
   _BWD = _KERNELS[1:]
 
   def __init__(self, static, shape: _Shape, cc, *, compile_kernels=True):
-    from torch_bridge.attention import _cfg
+    from torch_bridge._jax_side import attn_config
     super().__init__(compile_kernels)
-    self.shape, self.cc, self.cfg = shape, cc, _cfg(*static)
+    self.shape, self.cc, self.cfg = shape, cc, attn_config(*static)
     self._cu_cache = {}
     self._zero_cache = {}
     self._bwd_lock = threading.Lock()
@@ -429,9 +349,9 @@ class DensePlan(_Kernels):
   def _build(self, names):
     import jax
     import jax.numpy as jnp
-    from jax_api import dense as _dense
-    from pallas_kernels.flash import _preprocess
-    from pallas_kernels.flash.config import compiled_by
+    from pallas_kernels import device
+    from pallas_kernels.flash import core, preprocess
+    from pallas_kernels.settings import compiled_by
     from torch_bridge import _jax_side
     s, cfg = self.shape, self.cfg
     dt = _jax_dtype(s.dtype)
@@ -455,12 +375,14 @@ class DensePlan(_Kernels):
         fn = jax.jit(functools.partial(_jax_side._pallas_bwd, cfg))
         args = (q, kv, kv, sinks, qs, ks, None, None, q, lse, aux, q, lse)
       irs = {n: (ir, grid) for n, ir, grid in capture_triton_ir(fn, args)}
-      fwd_b, bwd_b, _ = _dense._kernel_plan(s.d, dt, False)
+      plan = core.kernel_plan(s.d, dt, interpret=False,
+                              compute_capability=device.gpu_capability())
+      fwd_b, bwd_b = plan.fwd, plan.bwd
     missing = [n for n in names if n not in irs]
     if missing:
       raise RuntimeError(f"torch_bridge: no Triton IR captured for {missing}")
     dqb = bwd_b.dq_blocks
-    pre = _preprocess._params(s.d)
+    pre = preprocess.launch_params(s.d)
     launch = {
         "fold_flash_forward": (fwd_b.num_warps, fwd_b.num_stages),
         "fold_flash_backward_preprocess": (pre.num_warps, pre.num_stages),
@@ -483,7 +405,7 @@ class DensePlan(_Kernels):
     and bits) instead of pip Triton's, where it can be found and its
     parameters match pip's (`torch_bridge._xla_cubin`); said once."""
     import jax
-    from pallas_kernels.flash.config import compiled_by
+    from pallas_kernels.settings import compiled_by
     from torch_bridge import _jax_side
     from torch_bridge import _xla_cubin
     if jax.default_backend() != "gpu":  # e.g. the CPU tests' stubbed sm_90
@@ -619,152 +541,3 @@ class DensePlan(_Kernels):
 # ----------------------------------------------------------------------------
 # DeBERTa disentangled attention, inference forward
 # ----------------------------------------------------------------------------
-
-def _used_lengths(valid: torch.Tensor, s: int) -> torch.Tensor:
-  """`jax_api.deberta.attention._used_lengths` in torch: int32 [b], a
-  right-padded (or unpadded) row's valid length, else MASKED_ROW (on the
-  device, no sync)."""
-  from pallas_kernels.deberta.forward import MASKED_ROW
-  n = valid.sum(dim=1, dtype=torch.int32)
-  prefix = torch.arange(s, device=valid.device, dtype=torch.int32)[None, :] < \
-      n[:, None]
-  return torch.where((valid == prefix).all(dim=1), n,
-                     torch.full_like(n, MASKED_ROW)).contiguous()
-
-
-@dataclasses.dataclass(frozen=True)
-class _DebertaShape:
-  b: int
-  s: int
-  h: int
-  d: int
-  dtype: torch.dtype
-  has_mask: bool
-  pos_rows: int  # rows of pos_key / pos_query as given (>= 2*att_span)
-
-
-def deberta_eligible(cfg, q, cu, seed) -> bool:
-  """The DeBERTa forward can take the direct path: dense [b, s, h, d] CUDA
-  tensors on the Pallas backend, no dropout (its seed), not packed."""
-  return (cfg.backend == "pallas" and cu is None and seed is None and
-          cfg.dropout_rate == 0.0 and q.is_cuda and q.dim() == 4 and
-          q.dtype in (torch.bfloat16, torch.float16, torch.float32) and
-          enabled())
-
-
-def deberta_plan(cfg, q, pk, pq, mask) -> "DebertaPlan | None":
-  pos = pk if pk is not None else pq
-  shape = _DebertaShape(q.shape[0], q.shape[1], q.shape[2], q.shape[3],
-                        q.dtype, mask is not None,
-                        pos.shape[0] if pos is not None else 0)
-
-  def build():
-    p = DebertaPlan(cfg, shape, torch.cuda.get_device_capability(q.device))
-    rt.announce("torch_bridge: DeBERTa attention on CUDA (inference, no "
-                "dropout) launches the Pallas kernels' Triton IR directly on "
-                "torch's stream (FOLDAX_TORCH_LAUNCH=jax: through JAX and "
-                "DLPack).")
-    return p
-
-  return _cached_plan(("deberta", cfg, shape, q.device.index), build,
-                      f"DeBERTa attention {shape}")
-
-
-class DebertaPlan(_Kernels):
-  """The position-table GEMM and the disentangled forward kernel of one
-  DeBERTa configuration and shape, compiled, and the torch glue around them
-  (what `jax_api.deberta.disentangled_attention` does in XLA on its Pallas
-  path: flatten [b, s] to tokens, cut the position projections to 2*span
-  rows, the int32 token mask). q, k, v: [b, s, h, d]; pos_key, pos_query:
-  [>= 2*span, h, d]; mask: int [b, s] or None."""
-
-  def __init__(self, cfg, shape: _DebertaShape, cc, *,
-               compile_kernels: bool = True):
-    import jax
-    import jax.numpy as jnp
-    from pallas_kernels.deberta._geometry import geometry
-    from pallas_kernels.deberta.config import blocks_for
-    from pallas_kernels.flash.config import compiled_by
-    from torch_bridge import deberta as tdb
-    super().__init__(compile_kernels)
-    s = shape
-    self.cfg, self.shape = cfg, s
-    dt = _jax_dtype(s.dtype)
-    geo = geometry(cfg.position_buckets, cfg.max_relative_positions)
-    self.slots = 2 * geo.span
-    self._slot_table = geo.slot_table()
-    x = _sds((s.b, s.s, s.h, s.d), dt)
-    pos = _sds((s.pos_rows, s.h, s.d), dt)
-    mask = _sds((s.b, s.s), jnp.int32) if s.has_mask else None
-    fn = jax.jit(functools.partial(tdb._jax_attention, cfg))
-    with compiled_by("triton"):  # pip Triton's block table (see config)
-      got = capture_triton_ir(fn, (x, x, x, pos if cfg.c2p else None,
-                                   pos if cfg.p2c else None, mask, None,
-                                   None))
-      blocks = blocks_for(head_dim=s.d, dtype=dt, interpret=False,
-                          compute_capability=cc)
-    # Identical pallas_calls (the c2p and p2c tables: one kernel on
-    # same-shaped operands) may be lowered once.
-    names = list(dict.fromkeys(n for n, _, _ in got))
-    want = (["fold_deberta_position_table"] if cfg.c2p or cfg.p2c else []
-            ) + ["fold_deberta_forward"]
-    if names != want:
-      raise RuntimeError(f"torch_bridge: captured {names}; expected {want}")
-    # cu, slot, [mask, used lengths], q, k, v, [c2p, p2c], out, lse2
-    n_fwd = 2 + 2 * int(s.has_mask) + 3 + int(cfg.c2p) + int(cfg.p2c) + 2
-    for name, ttir, grid in got:
-      # The c2p and p2c tables are one kernel on same-shaped operands.
-      if name in self.ir:
-        if ttir != self.ir[name] or grid != self.grids[name]:
-          raise RuntimeError("torch_bridge: the two position tables differ")
-        continue
-      b = blocks.table if name == "fold_deberta_position_table" else \
-          blocks.fwd
-      need = 3 if name == "fold_deberta_position_table" else n_fwd
-      self._add(name, ttir, grid, need, b.num_warps, b.num_stages, cc)
-    self._consts = {}
-
-  def _device_consts(self, device):
-    c = self._consts.get(device)
-    if c is not None:
-      return c
-    return self._new_device_constant(
-        self._consts, device, "cu_seqlens and slot table",
-        lambda: ((torch.arange(self.shape.b + 1, dtype=torch.int32) *
-                  self.shape.s).to(device),
-                 torch.as_tensor(self._slot_table,
-                                 dtype=torch.int32).to(device)))
-
-  def _mask_args(self, mask):
-    """The kernel's int32 token mask and used lengths (derived once per mask
-    tensor: every layer of an encoder gets the same one)."""
-    def derive(mask):
-      m = mask != 0
-      return (m.to(torch.int32).reshape(-1).contiguous(),
-              _used_lengths(m, self.shape.s))
-    return rt.derived(f"deberta_mask_args/{self.shape.s}", mask, derive)
-
-  def forward(self, q, k, v, pk, pq, mask):
-    """out [b, s, h, d] in q's dtype."""
-    s = self.shape
-    total = s.b * s.s
-    with _on_device(q.device):
-      stream = _raw_stream(q.device)
-      cu, slot = self._device_consts(q.device)
-      qf, kf, vf = (x.contiguous().view(total, s.h, s.d) for x in (q, k, v))
-      args = [cu, slot]
-      if mask is not None:
-        args += self._mask_args(mask)
-      args += [qf, kf, vf]
-      for on, x, pos in ((self.cfg.c2p, qf, pk), (self.cfg.p2c, kf, pq)):
-        if on:
-          table = torch.empty((total, s.h, self.slots), device=q.device,
-                              dtype=q.dtype)
-          pos = pos[: self.slots].to(q.dtype).contiguous()
-          self._launch("fold_deberta_position_table", x, pos, table,
-                       stream=stream)
-          args.append(table)
-      out = torch.empty_like(qf)
-      lse2 = torch.empty((s.h, total), device=q.device, dtype=torch.float32)
-      self._launch("fold_deberta_forward", *args, out, lse2, stream=stream)
-    return out.view(s.b, s.s, s.h, s.d)

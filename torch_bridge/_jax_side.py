@@ -3,10 +3,11 @@ backward per static configuration (cached; `jax.jit` then caches per shape).
 
 The forward returns what the torch side saves for the backward (the output
 and the log-sum-exp, plus the kernel's base-2 LSE on the Pallas path), and
-the backward feeds those residuals straight to the same VJP rules that
-`jax_api.fold_attn_func` differentiates through (`jax_api.dense._flash_bwd`,
-`jax_api._xla_attention._attention_bwd`), so nothing is recomputed and the
-gradients are the bits `jax.vjp` of the JAX API gives.
+the backward feeds those residuals straight to the op's core, the same
+functions `jax_api.fold_attn_func`'s VJP rules call
+(`pallas_kernels.flash.core.backward`, `pallas_kernels.flash.xla.backward`),
+so nothing is recomputed and the gradients are the bits `jax.vjp` of the JAX
+API gives.
 
 Shapes (dense): q [b, sq, hq, d], k/v [b, sk, hkv, d], segment ids int32
 [b, sq] / [b, sk] or None, sinks [hq] or None; out like q, lse float32
@@ -23,9 +24,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_api import _xla_attention as _xa
-from jax_api import dense as _dense
-from pallas_kernels.flash._tiles import MaskConfig
+from pallas_kernels import device
+from pallas_kernels.flash import core, xla
+from pallas_kernels.flash.tiles import MaskConfig
 from pallas_kernels.flash.backward import token_sequence_ids
 from pallas_kernels.reference.dense import (dense_mask_spec, varlen_mask_spec,
                                            visibility)
@@ -52,12 +53,21 @@ class AttnConfig:
     return (self.left, self.right)
 
 
+def attn_config(backend, causal, left, right, softcap, scale, mq, mk,
+                varlen) -> AttnConfig:
+  """AttnConfig from the custom ops' static arguments."""
+  return AttnConfig(backend=backend, varlen=varlen, causal=bool(causal),
+                    left=int(left), right=int(right), softcap=float(softcap),
+                    scale=float(scale), max_seqlen_q=int(mq),
+                    max_seqlen_k=int(mk))
+
+
 # ----------------------------------------------------------------------------
 # XLA path
 # ----------------------------------------------------------------------------
 
 def _xla_cfg(cfg: AttnConfig, q, k, v, sq: int, sk: int):
-  return _xa._Cfg(causal=cfg.causal, window_size=cfg.window,
+  return xla.XlaConfig(causal=cfg.causal, window_size=cfg.window,
                   softcap=cfg.softcap, scale=cfg.scale,
                   q_block=min(XLA_CHUNK, sq), k_block=min(XLA_CHUNK, sk),
                   compute_dtype=jnp.result_type(q.dtype, k.dtype, v.dtype))
@@ -82,7 +92,7 @@ def _xla_fwd(cfg: AttnConfig, q, k, v, sinks, q_seg, k_seg, cu_q, cu_k):
   qs, ks = _xla_specs(cfg, q, k, q_seg, k_seg, cu_q, cu_k)
   q4, k4, v4 = _as4(cfg, q), _as4(cfg, k), _as4(cfg, v)
   xc = _xla_cfg(cfg, q4, k4, v4, q4.shape[1], k4.shape[1])
-  (out, lse), _ = _xa._attention_fwd(xc, q4, k4, v4, qs, ks, sinks)
+  out, lse = xla.forward(xc, q4, k4, v4, qs, ks, sinks)
   if cfg.varlen:
     out, lse = out[0], lse[0]
   return out, lse, None
@@ -106,8 +116,8 @@ def _xla_bwd(cfg: AttnConfig, q, k, v, sinks, q_seg, k_seg, cu_q, cu_k, out,
   else:
     dlse4 = _as4(cfg, dlse)
   xc = _xla_cfg(cfg, q4, k4, v4, q4.shape[1], k4.shape[1])
-  res = (q4, k4, v4, qs, ks, sinks, out4, lse4)
-  dq, dk, dv, _, _, dsinks = _xa._attention_bwd(xc, res, (do4, dlse4))
+  dq, dk, dv, dsinks = xla.backward(xc, q4, k4, v4, qs, ks, sinks, out4,
+                                    lse4, do4, dlse4)
   if cfg.varlen:
     dq, dk, dv = dq[0], dk[0], dv[0]
   return dq, dk, dv, dsinks
@@ -181,6 +191,12 @@ def _flat(cfg: AttnConfig, q, k, v, q_seg, k_seg, cu_q, cu_k):
   return qf, kf, vf, qsf, ksf, cq, ck, sq, sk
 
 
+def _plan(q, interpret: bool) -> core.KernelPlan:
+  return core.kernel_plan(q.shape[-1], q.dtype, interpret=interpret,
+                          compute_capability=None if interpret else
+                          device.gpu_capability())
+
+
 def _in_seq(cu_q, total):
   return token_sequence_ids(cu_q, total) < cu_q.shape[0] - 1
 
@@ -190,11 +206,10 @@ def _pallas_fwd(cfg: AttnConfig, q, k, v, sinks, q_seg, k_seg, cu_q, cu_k):
   qf, kf, vf, qsf, ksf, cq, ck, mq, mk = _flat(cfg, q, k, v, q_seg, k_seg,
                                                cu_q, cu_k)
   mcfg = _mask_cfg(cfg, qsf is not None)
-  fwd_b, bwd_b, red = _dense._kernel_plan(q.shape[-1], q.dtype, interpret)
-  (out, lse), res = _dense._flash_fwd(qf, kf, vf, sinks, cq, ck, qsf, ksf,
-                                      mcfg, fwd_b, bwd_b, mq, mk, interpret,
-                                      red, not cfg.varlen)
-  lse2 = res[-1]  # [hq, total_q], base 2, +inf where nothing was seen
+  plan = _plan(q, interpret)
+  out, lse, lse2 = core.forward(qf, kf, vf, sinks, cq, ck, qsf, ksf,
+                                mask=mcfg, plan=plan, max_seqlen_q=mq,
+                                interpret=interpret)
   if cfg.varlen:
     in_seq = _in_seq(cq, q.shape[0])
     out = jnp.where(in_seq[:, None, None], out, 0).astype(q.dtype)
@@ -215,7 +230,7 @@ def _pallas_bwd(cfg: AttnConfig, q, k, v, sinks, q_seg, k_seg, cu_q, cu_k,
   qf, kf, vf, qsf, ksf, cq, ck, mq, mk = _flat(cfg, q, k, v, q_seg, k_seg,
                                                cu_q, cu_k)
   mcfg = _mask_cfg(cfg, qsf is not None)
-  fwd_b, bwd_b, red = _dense._kernel_plan(q.shape[-1], q.dtype, interpret)
+  plan = _plan(q, interpret)
   hq = q.shape[-2]
   total_q = qf.shape[0]
   if dlse is None:
@@ -230,10 +245,10 @@ def _pallas_bwd(cfg: AttnConfig, q, k, v, sinks, q_seg, k_seg, cu_q, cu_k,
     in_seq = _in_seq(cq, total_q)
     do_f = jnp.where(in_seq[:, None, None], do_f, 0).astype(do_f.dtype)
     dlse_f = jnp.where(in_seq[None, :], dlse_f, 0.0)
-  res = (qf, kf, vf, sinks, cq, ck, qsf, ksf, out_f, aux)
-  dq, dk, dv, dsinks = _dense._flash_bwd(mcfg, fwd_b, bwd_b, mq, mk, interpret,
-                                         red, not cfg.varlen, res,
-                                         (do_f, dlse_f))[:4]
+  dq, dk, dv, dsinks = core.backward(
+      qf, kf, vf, sinks, cq, ck, qsf, ksf, out_f, aux, do_f, dlse_f,
+      mask=mcfg, plan=plan, max_seqlen_q=mq, max_seqlen_k=mk,
+      interpret=interpret, all_tokens_in_sequences=not cfg.varlen)
   return (dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape),
           dsinks)
 

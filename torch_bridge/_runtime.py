@@ -57,12 +57,10 @@ are ready before handing them to torch (torch's CPU kernels run eagerly).
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import weakref
 
-_ALLOC_VARS = ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION",
-               "XLA_PYTHON_CLIENT_ALLOCATOR")
+from torch_bridge import settings
 
 log = logging.getLogger("torch_bridge")
 _announced: set[str] = set()
@@ -101,15 +99,6 @@ def refuse_in_graph_capture(device, what: str) -> None:
         "graph.")
 
 
-def configure_jax_allocator() -> bool:
-  """Sets XLA_PYTHON_CLIENT_PREALLOCATE=false unless the user chose an
-  allocator setting. Returns True when it set the variable."""
-  if any(v in os.environ for v in _ALLOC_VARS):
-    return False
-  os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
-  return True
-
-
 def warn_if_jax_initialised_early(set_by_us: bool) -> None:
   """Warns (once) if JAX's GPU backend started before the bridge could set
   its allocator: it may then hold 75% of the GPU."""
@@ -117,8 +106,8 @@ def warn_if_jax_initialised_early(set_by_us: bool) -> None:
   if not set_by_us or "jax" not in sys.modules:
     return
   try:
-    from jax._src import xla_bridge
-    initialised = xla_bridge.backends_are_initialized()
+    from torch_bridge import compat
+    initialised = compat.xla_bridge.backends_are_initialized()
   except Exception:  # pragma: no cover - private API moved
     return
   if not initialised:
@@ -182,9 +171,9 @@ _targets: dict = {}
 
 def _jax_cuda_device(index: int):
   import jax
-  from jax._src import xla_bridge
+  from torch_bridge import compat
   try:
-    backend = xla_bridge.get_backend("cuda")
+    backend = compat.xla_bridge.get_backend("cuda")
   except RuntimeError:
     return None
   try:
@@ -258,7 +247,7 @@ def _make_target(device, dtype, backend: str) -> Target:
 # DLPack hand-off
 # ----------------------------------------------------------------------------
 
-_low_level = os.environ.get("FOLDAX_TORCH_DLPACK", "fast") != "protocol"
+_low_level = settings.dlpack_low_level()
 _cuda_sync: dict = {}  # device index -> (event, {jax stream ptr: ExternalStream})
 
 
@@ -268,8 +257,8 @@ _JAX = None
 def _jax_internal():
   global _JAX
   if _JAX is None:
-    from jax._src.lib import _jax
-    _JAX = _jax
+    from torch_bridge import compat
+    _JAX = compat.jaxlib_internal
   return _JAX
 
 
@@ -317,7 +306,7 @@ except ImportError:  # pragma: no cover
 
 
 # Whether imports wrap a `.detach()`ed alias of each tensor (the default, as
-# the bridge's contract says). FOLDAX_TORCH_DETACH=0 (and `torch_bridge.bench
+# the bridge's contract says). FOLDAX_TORCH_DETACH=0 (and `benchmarks.bridge_calls
 # --phases`, which times both) hands over the caller's tensor itself, a
 # candidate for lower host overhead not yet measured on a GPU: a fresh
 # alias's Python object dies at once while the capsule still holds the
@@ -325,7 +314,7 @@ except ImportError:  # pragma: no cover
 # capsule's deleter -- which PJRT runs on its own callback thread on GPU,
 # after JAX's last use -- may then have to take the GIL to free it,
 # contending with the caller and autograd's device thread once per tensor.
-DETACH_INPUTS = os.environ.get("FOLDAX_TORCH_DETACH", "1") != "0"
+DETACH_INPUTS = settings.detach_inputs()
 
 
 def _current_raw_stream(target: Target) -> int:

@@ -17,29 +17,20 @@ recomputed and the gradients are bitwise deterministic.
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Optional
 
 import torch
 from torch import Tensor
 
+from jax_api.contract import common as _cc
+from jax_api.contract import dense as _cd
 from torch_bridge import _direct
 from torch_bridge import _runtime as rt
-
-_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
 # ----------------------------------------------------------------------------
 # The two custom ops
 # ----------------------------------------------------------------------------
-
-def _cfg(backend, causal, left, right, softcap, scale, mq, mk, varlen):
-  from torch_bridge._jax_side import AttnConfig
-  return AttnConfig(backend=backend, varlen=varlen, causal=bool(causal),
-                    left=int(left), right=int(right), softcap=float(softcap),
-                    scale=float(scale), max_seqlen_q=int(mq),
-                    max_seqlen_k=int(mk))
-
 
 class _X64:
   """`jax.enable_x64` around float64 calls (the XLA path's gradcheck)."""
@@ -82,9 +73,9 @@ class _Plan:
   __slots__ = ("fwd", "bwd", "target", "x64", "backend")
 
   def __init__(self, static, device, dtype):
-    from torch_bridge._jax_side import backward_fn, forward_fn
-    backend, causal, left, right, softcap, scale, mq, mk, varlen = static
-    cfg = _cfg(backend, causal, left, right, softcap, scale, mq, mk, varlen)
+    from torch_bridge._jax_side import attn_config, backward_fn, forward_fn
+    cfg = attn_config(*static)
+    backend = static[0]
     self.fwd = forward_fn(cfg)
     self.bwd = backward_fn(cfg)
     self.target = rt.target_for(device, dtype, backend)
@@ -329,93 +320,51 @@ def resolve_backend(t: Tensor, backend: str = "auto") -> str:
   return _resolve_backend(t.device.type, t.device.index, t.dtype, backend)
 
 
+def dtype_name(dtype) -> str:
+  """The contract's name of a torch dtype ("bfloat16", "int32", ...)."""
+  return str(dtype).removeprefix("torch.")
+
+
+# float64 runs on the XLA path only (for gradcheck); `rt.target_for` refuses
+# it for the Pallas backends.
+_DTYPE_NAMES = _cc.SUPPORTED_DTYPE_NAMES + ("float64",)
+
+
 def _check_tensor(name, x, ndim, layout):
   if not isinstance(x, Tensor):
     raise TypeError(f"{name} must be a torch.Tensor with layout {layout}; got "
                     f"{type(x).__name__}.")
-  if x.dim() != ndim:
-    raise ValueError(f"{name} must have rank {ndim} (layout {layout}); got "
-                     f"shape {tuple(x.shape)}.")
+  _cc.check_rank(name, tuple(x.shape), ndim, layout)
 
 
 def _check_qkv(q, k, v, packed: bool):
-  rank = 3 if packed else 4
-  lq = ("[total_q, heads_q, head_dim]" if packed else
-        "[batch, seq_q, heads_q, head_dim]")
-  lk = ("[total_k, heads_kv, head_dim]" if packed else
-        "[batch, seq_k, heads_kv, head_dim]")
-  _check_tensor("q", q, rank, lq)
-  _check_tensor("k", k, rank, lk)
-  _check_tensor("v", v, rank, lk)
-  for name, x in (("q", q), ("k", k), ("v", v)):
-    if x.dtype not in _FLOAT_DTYPES:
-      raise TypeError(f"{name} has dtype {x.dtype}; supported dtypes are "
-                      "bfloat16, float16, float32 (and float64 on the XLA "
-                      "path).")
-  if not (q.dtype == k.dtype == v.dtype):
-    raise TypeError(f"q, k and v must share one dtype; got q {q.dtype}, k "
-                    f"{k.dtype}, v {v.dtype}.")
+  lq, lk = _cd.layouts(packed)
+  for name, x, layout in (("q", q, lq), ("k", k, lk), ("v", v, lk)):
+    if not isinstance(x, Tensor):
+      raise TypeError(f"{name} must be a torch.Tensor with layout {layout}; "
+                      f"got {type(x).__name__}.")
+  _cd.check_qkv(tuple(q.shape), tuple(k.shape), tuple(v.shape),
+                dtype_name(q.dtype), dtype_name(k.dtype), dtype_name(v.dtype),
+                packed=packed, allowed=_DTYPE_NAMES)
   if not (q.device == k.device == v.device):
-    raise ValueError(f"q, k and v must be on one device; got {q.device}, "
-                     f"{k.device}, {v.device}.")
-  if k.shape != v.shape:
-    raise ValueError(f"k and v must have the same shape; got k "
-                     f"{tuple(k.shape)} and v {tuple(v.shape)}.")
-  if not packed and q.shape[0] != k.shape[0]:
-    raise ValueError(f"q and k must have the same batch size; got {q.shape[0]}"
-                     f" and {k.shape[0]}.")
-  d = q.shape[-1]
-  if k.shape[-1] != d:
-    raise ValueError(f"k head_dim {k.shape[-1]} must equal q head_dim {d}.")
-  if not 1 <= d <= 256:
-    raise ValueError(f"head_dim is {d}; supported head dims are 1..256.")
-  hq, hkv = q.shape[-2], k.shape[-2]
-  if hkv < 1 or hq % hkv:
-    raise ValueError(f"heads_q ({hq}) must be a multiple of heads_kv ({hkv}) "
-                     "for GQA/MQA.")
-  if q.shape[-3] < 1 or k.shape[-3] < 1:
-    raise ValueError(f"sequence lengths must be >= 1; got q {tuple(q.shape)} "
-                     f"and k {tuple(k.shape)}.")
+    raise ValueError(f"q, k and v must be on one device; got q {q.device}, "
+                     f"k {k.device}, v {v.device}.")
 
 
 def _check_options(q, window_size, softcap, softmax_scale, sinks, causal):
-  if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2 or
-      not all(isinstance(w, int) and not isinstance(w, bool)
-              for w in window_size)):
-    raise TypeError("window_size must be a pair of Python ints (left, right) "
-                    f"with -1 meaning unbounded; got {window_size!r}.")
-  left, right = int(window_size[0]), int(window_size[1])
-  if left < -1 or right < -1:
-    raise ValueError(f"window_size entries must be >= -1; got {window_size!r}.")
+  left, right = _cc.check_window(window_size)
   if causal:
     right = 0 if right < 0 else min(right, 0)
-  if softcap is None:
-    softcap = 0.0
-  if not isinstance(softcap, (int, float)) or isinstance(softcap, bool):
-    raise TypeError(f"softcap must be a Python float; got {softcap!r}.")
-  if not softcap >= 0:
-    raise ValueError(f"softcap must be >= 0 (0 disables it); got {softcap}.")
-  d = q.shape[-1]
-  if softmax_scale is None:
-    scale = 1.0 / math.sqrt(d)
-  else:
-    if not isinstance(softmax_scale, (int, float)) or \
-        isinstance(softmax_scale, bool):
-      raise TypeError("softmax_scale must be a Python float or None; got "
-                      f"{softmax_scale!r}.")
-    if not softmax_scale > 0:
-      raise ValueError(f"softmax_scale must be > 0; got {softmax_scale}.")
-    scale = float(softmax_scale)
+  softcap = _cc.check_softcap(0.0 if softcap is None else softcap)
+  scale = _cc.check_softmax_scale(softmax_scale, q.shape[-1])
   if sinks is not None:
     _check_tensor("sinks", sinks, 1, "[heads_q]")
-    if sinks.shape[0] != q.shape[-2]:
-      raise ValueError(f"sinks must have shape [heads_q] = [{q.shape[-2]}]; "
-                       f"got {tuple(sinks.shape)}.")
-    if sinks.dtype not in _FLOAT_DTYPES:
-      raise TypeError(f"sinks has dtype {sinks.dtype}; expected a float dtype.")
+    _cc.check_sinks(tuple(sinks.shape), dtype_name(sinks.dtype), q.shape[-2],
+                    allowed=_DTYPE_NAMES)
     if sinks.device != q.device:
-      raise ValueError(f"sinks is on {sinks.device}, q on {q.device}.")
-  return left, right, float(softcap), scale
+      raise ValueError(f"sinks is on {sinks.device}, q on {q.device}; move "
+                       "sinks to q's device.")
+  return left, right, softcap, scale
 
 
 def _segments(segment_ids, b, sq, sk, device):
@@ -431,13 +380,20 @@ def _segments(segment_ids, b, sq, sk, device):
   for name, s, n in (("segment_ids (queries)", qs, sq),
                      ("segment_ids (keys)", ks, sk)):
     _check_tensor(name, s, 2, "[batch, seq]")
-    if tuple(s.shape) != (b, n):
-      raise ValueError(f"{name} must have shape [batch, seq] = [{b}, {n}]; "
-                       f"got {tuple(s.shape)}.")
-    if s.dtype.is_floating_point or s.dtype == torch.bool:
-      raise TypeError(f"{name} must be an integer tensor; got {s.dtype}.")
+    _cd.check_segment_ids(name, tuple(s.shape), dtype_name(s.dtype), b, n)
   return (qs.to(device=device, dtype=torch.int32),
           ks.to(device=device, dtype=torch.int32))
+
+
+def _cu_values(cu: Tensor, need: bool):
+  """cu_seqlens on the host for the contract's value checks: free for CPU
+  tensors; for CUDA ones only when `need` (max_seqlen was not given, so the
+  host reads the lengths anyway). None under torch.compile."""
+  if torch.compiler.is_compiling():
+    return None
+  if cu.device.type == "cpu" or need:
+    return cu.detach().cpu().numpy()
+  return None
 
 
 # ----------------------------------------------------------------------------
@@ -566,27 +522,23 @@ def fold_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor,
     cu_seqlens_k = cu_seqlens_q
     if max_seqlen_k is None:
       max_seqlen_k = max_seqlen_q
-  for name, cu in (("cu_seqlens_q", cu_seqlens_q),
-                   ("cu_seqlens_k", cu_seqlens_k)):
+  be = resolve_backend(q, backend)
+  ms = {}
+  for name, cu, total, given in (
+      ("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q),
+      ("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)):
     _check_tensor(name, cu, 1, "[num_seqs + 1]")
-    if cu.dtype.is_floating_point or cu.dtype == torch.bool:
-      raise TypeError(f"{name} must be an integer (int32) tensor; got "
-                      f"{cu.dtype}.")
-    if cu.shape[0] < 2:
-      raise ValueError(f"{name} must have at least 2 entries; got shape "
-                       f"{tuple(cu.shape)}.")
-  if cu_seqlens_q.shape != cu_seqlens_k.shape:
-    raise ValueError("cu_seqlens_q and cu_seqlens_k must describe the same "
-                     f"number of sequences; got shapes "
-                     f"{tuple(cu_seqlens_q.shape)} and "
-                     f"{tuple(cu_seqlens_k.shape)}.")
+    values = _cu_values(cu, need=given is None and be != "xla")
+    _cd.check_cu_seqlens(name, tuple(cu.shape), dtype_name(cu.dtype), total,
+                         values)
+    ms[name] = _cd.check_max_seqlen("max_seqlen" + name[-2:], given, values)
+  _cd.check_same_num_seqs(cu_seqlens_q.shape, cu_seqlens_k.shape)
   cu_q = cu_seqlens_q.to(device=q.device, dtype=torch.int32)
   cu_k = cu_seqlens_k.to(device=q.device, dtype=torch.int32)
-  be = resolve_backend(q, backend)
   mq = mk = 0
   if be != "xla":
-    mq = _max_seqlen(cu_q, max_seqlen_q)
-    mk = _max_seqlen(cu_k, max_seqlen_k)
+    mq = ms["cu_seqlens_q"] or _max_seqlen(cu_q, max_seqlen_q)
+    mk = ms["cu_seqlens_k"] or _max_seqlen(cu_k, max_seqlen_k)
   static = (be, bool(causal), left, right, softcap, scale, mq, mk, True)
   out, lse, _ = _call(q, k, v, sinks, None, None, cu_q, cu_k, static,
                       return_lse)

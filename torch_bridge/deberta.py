@@ -36,7 +36,7 @@ backward, never stored.
 
 Direct launch: on CUDA, an inference forward (no dropout, not packed)
 launches the Pallas kernels' Triton IR on torch's stream instead
-(`torch_bridge._direct.DebertaPlan`; FOLDAX_TORCH_LAUNCH=jax turns it off).
+(`torch_bridge._direct_deberta.DebertaPlan`; FOLDAX_TORCH_LAUNCH=jax turns it off).
 
 Backward: the JAX VJP of `disentangled_attention` (jitted, per static
 configuration) recomputes the forward it differentiates: one extra forward
@@ -49,16 +49,20 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import functools
-import os
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from torch_bridge import _direct
+from torch_bridge import _direct_deberta
+from torch_bridge._deberta_jax import (DebertaConfig, _backward_fn,  # noqa: F401
+                                      _forward_fn)
 from torch_bridge import _runtime as rt
-from torch_bridge.attention import resolve_backend
+from torch_bridge import settings
+from jax_api.contract import deberta as _cdb
+from jax_api.contract import dense as _cd
+from torch_bridge.attention import (_DTYPE_NAMES, _check_qkv, _check_tensor,
+                                    _cu_values, dtype_name, resolve_backend)
 
 _PACKED: contextvars.ContextVar = contextvars.ContextVar("foldax_packed",
                                                          default=None)
@@ -77,53 +81,6 @@ def packed(cu_seqlens: Tensor, max_seqlen: int | None = None):
     _PACKED.reset(token)
 
 
-# ----------------------------------------------------------------------------
-# JAX side
-# ----------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class DebertaConfig:
-  backend: str
-  position_buckets: int
-  max_relative_positions: int
-  c2p: bool
-  p2c: bool
-  dropout_rate: float
-  max_seqlen: int  # packed only (0 otherwise)
-
-
-def _jax_attention(cfg: DebertaConfig, q, k, v, pk, pq, mask, cu, seed):
-  import jax
-  from jax_api.deberta import disentangled_attention
-  types = tuple(t for t, on in (("c2p", cfg.c2p), ("p2c", cfg.p2c)) if on)
-  rng = None if seed is None else jax.random.key(seed)
-  return disentangled_attention(
-      q, k, v, pk, pq, attention_mask=mask, cu_seqlens=cu,
-      max_seqlen=cfg.max_seqlen or None,
-      position_buckets=cfg.position_buckets,
-      max_relative_positions=cfg.max_relative_positions, pos_att_type=types,
-      dropout_rate=cfg.dropout_rate, dropout_rng=rng, backend=cfg.backend)
-
-
-@functools.cache
-def _forward_fn(cfg: DebertaConfig):
-  import jax
-  return jax.jit(functools.partial(_jax_attention, cfg))
-
-
-@functools.cache
-def _backward_fn(cfg: DebertaConfig):
-  import jax
-
-  def bwd(q, k, v, pk, pq, mask, cu, seed, dout):
-    f = lambda q, k, v, pk, pq: _jax_attention(cfg, q, k, v, pk, pq, mask,
-                                               cu, seed)
-    _, vjp = jax.vjp(f, q, k, v, pk, pq)
-    return vjp(dout.astype(q.dtype))
-
-  return jax.jit(bwd)
-
-
 def _static(backend, position_buckets, max_relative_positions, c2p, p2c,
             dropout_rate, max_seqlen):
   return DebertaConfig(backend, int(position_buckets),
@@ -132,8 +89,8 @@ def _static(backend, position_buckets, max_relative_positions, c2p, p2c,
 
 
 def _fwd_impl(q, k, v, pk, pq, mask, cu, seed, cfg: DebertaConfig):
-  dp = (_direct.deberta_plan(cfg, q, pk, pq, mask)
-        if _direct.deberta_eligible(cfg, q, cu, seed) else None)
+  dp = (_direct_deberta.deberta_plan(cfg, q, pk, pq, mask)
+        if _direct_deberta.deberta_eligible(cfg, q, cu, seed) else None)
   if dp is not None:
     return dp.forward(q, k, v, pk, pq, mask)
   target = rt.target_for(q.device, q.dtype, cfg.backend)
@@ -249,9 +206,33 @@ def disentangled_attention(q: Tensor, k: Tensor, v: Tensor,
   or an int32 scalar tensor; drawn from torch's generator when None).
   Differentiable in q, k, v, pos_key and pos_query.
   """
-  if isinstance(pos_att_type, str):
-    pos_att_type = [t.strip() for t in pos_att_type.split("|") if t.strip()]
-  c2p, p2c = "c2p" in pos_att_type, "p2c" in pos_att_type
+  packed_in = cu_seqlens is not None
+  _check_qkv(q, k, v, packed=packed_in)
+  _cdb.check_self_attention(tuple(q.shape), tuple(k.shape))
+  # A seed is drawn below when none is given, so dropout never lacks one.
+  c2p, p2c, _ = _cdb.check_options(position_buckets, max_relative_positions,
+                                   pos_att_type, dropout_rate, True)
+  span = _cdb.att_span(position_buckets, max_relative_positions)
+  for name, pos, on in (("pos_key", pos_key, c2p),
+                        ("pos_query", pos_query, p2c)):
+    if on:
+      if pos is not None:
+        _check_tensor(name, pos, 3, "[2*att_span, heads, head_dim]")
+      _cdb.check_position_table(
+          name, None if pos is None else tuple(pos.shape),
+          None if pos is None else dtype_name(pos.dtype), span, q.shape[-2],
+          q.shape[-1], allowed=_DTYPE_NAMES)
+  if packed_in:
+    _cdb.check_packed_mask_exclusive(attention_mask is not None)
+    _check_tensor("cu_seqlens", cu_seqlens, 1, "[num_seqs + 1]")
+    values = _cu_values(cu_seqlens, need=max_seqlen is None)
+    _cd.check_cu_seqlens("cu_seqlens", tuple(cu_seqlens.shape),
+                         dtype_name(cu_seqlens.dtype), q.shape[0], values)
+    max_seqlen = _cd.check_max_seqlen("max_seqlen", max_seqlen, values) or \
+        max_seqlen
+  elif attention_mask is not None:
+    _check_tensor("attention_mask", attention_mask, 2, "[batch, seq]")
+    _cdb.check_attention_mask(tuple(attention_mask.shape), q.shape[:2])
   be = resolve_backend(q, backend)
   if attention_mask is not None:
     attention_mask = rt.derived(
@@ -411,7 +392,7 @@ def _fused_projections(attn, hidden, rel):
   Which GEMM projects a token may change its projections' last bits (cuBLAS
   picks kernels by shape for the other layers alike); the attention kernels'
   bits do not depend on it."""
-  if (os.environ.get("FOLDAX_TORCH_FUSED_PROJECTIONS", "1") == "0" or
+  if (not settings.fused_projections() or
       hidden.numel() // hidden.shape[-1] > FUSED_PROJECTIONS_MAX_TOKENS):
     return None
   mods = (attn.query_proj, attn.key_proj, attn.value_proj)

@@ -45,15 +45,15 @@ call (as SDPA's transposes would) -- in decoding that is a copy of the cache.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
 from torch_bridge import _runtime as rt
+from torch_bridge import settings
 from torch_bridge.attention import _call, _dense_static
 
 NAME = "fold"
-_BUCKETS = os.environ.get("FOLDAX_HF_BUCKETS", "1") != "0"
+_BUCKETS = settings.hf_buckets()
 
 
 def _bucket(n: int) -> int:

@@ -32,10 +32,16 @@ import torch
 from torch import Tensor
 
 from torch_bridge import _runtime as rt
-from torch_bridge.attention import resolve_backend
+from jax_api.contract import common as _cc
+from jax_api.contract import dense as _cd
+from jax_api.contract import kvcache as _ckv
+from torch_bridge.attention import (_check_tensor, _cu_values, dtype_name,
+                                    resolve_backend)
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16",
            torch.float32: "float32"}
+_KV_DTYPES = {torch.float8_e4m3fn: "float8_e4m3fn",
+              torch.float8_e5m2: "float8_e5m2"}
 
 
 @functools.cache
@@ -100,13 +106,19 @@ class FoldKVCache:
              dtype: torch.dtype = torch.bfloat16, device=None,
              depth: int | None = None, v8: bool = False,
              num_pages: int | None = None, chunk_tokens: int | None = None,
-             raise_errors: bool = True) -> "FoldKVCache":
+             raise_errors: bool = True,
+             kv_dtype: torch.dtype | None = None) -> "FoldKVCache":
     """An empty cache on `device` (torch device; default CUDA if available);
-    other arguments as `jax_api.kvcache.FoldKVCache.create`."""
+    kv_dtype: None, torch.float8_e4m3fn or torch.float8_e5m2 (FP8 K/V pages
+    with per-(page, KV head) scales); other arguments as
+    `jax_api.kvcache.FoldKVCache.create`."""
     import jax
     from jax_api import kvcache as jkv
     if dtype not in _DTYPES:
       raise TypeError(f"dtype must be one of {list(_DTYPES)}; got {dtype}.")
+    if kv_dtype is not None and kv_dtype not in _KV_DTYPES:
+      raise ValueError(f"kv_dtype must be None or one of {list(_KV_DTYPES)}"
+                       f"; got {kv_dtype!r}.")
     if device is None:
       device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
@@ -117,7 +129,8 @@ class FoldKVCache:
                                  max_len, page_size=page_size,
                                  dtype=_DTYPES[dtype], depth=depth, v8=v8,
                                  num_pages=num_pages,
-                                 chunk_tokens=chunk_tokens)
+                                 chunk_tokens=chunk_tokens,
+                                 kv_dtype=_KV_DTYPES.get(kv_dtype))
     c = jax.device_put(c, target.jax_device)
     return cls(c, target, raise_errors)
 
@@ -139,8 +152,8 @@ class FoldKVCache:
     err = int(self.jax.error)
     if err:
       self.jax = self.jax._replace(error=jnp.zeros((), jnp.int32))
-      from jax_api.kvcache import _ERR_NAMES
-      what = [n for bit, n in _ERR_NAMES.items() if err & bit]
+      from jax_api.kvcache import ERROR_NAMES
+      what = [n for bit, n in ERROR_NAMES.items() if err & bit]
       raise ValueError(f"FoldKVCache refused an operation ({'; '.join(what)});"
                        " the cache was left unchanged.")
     return self
@@ -148,6 +161,29 @@ class FoldKVCache:
   def _done(self):
     if self.raise_errors:
       self.check()
+
+  def _check_inputs(self, q=None, k=None, v=None, active=None, sinks=None):
+    """Tensor kinds and devices (what JAX cannot see after DLPack); the
+    shape and dtype rules run in jax_api with the same contract."""
+    dev = self.target.torch_device
+    for name, x in (("q", q), ("k", k), ("v", v), ("active", active),
+                    ("sinks", sinks)):
+      if x is None:
+        continue
+      if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor; got "
+                        f"{type(x).__name__}.")
+      if x.device.type != dev.type or (dev.index is not None and
+                                       x.device.index != dev.index):
+        raise ValueError(f"{name} is on {x.device}; the cache lives on "
+                         f"{dev} (move {name} there).")
+    if k is not None and q is None:  # an append (prefill: packed k, v)
+      c = self.config
+      _ckv.check_append(tuple(k.shape), tuple(v.shape), dtype_name(k.dtype),
+                        dtype_name(v.dtype), batch=c.batch,
+                        n_kv_heads=c.n_kv_heads, head_dim=c.head_dim,
+                        cache_dtype=c.dtype, active_shape=None if active is
+                        None else tuple(active.shape))
 
   def _imp(self):
     return rt.Importer(self.target)
@@ -159,8 +195,21 @@ class FoldKVCache:
     """Causal attention over packed prompts (q [total, n_heads, head_dim],
     k/v [total, n_kv_heads, head_dim], int32 cu_seqlens [n + 1]) whose K/V
     then fill the (empty) slots `seq_ids` (default 0..n-1). Returns out."""
+    self._check_inputs(q=q, k=k, v=v)
+    _check_tensor("cu_seqlens", cu_seqlens, 1, "[num_seqs + 1]")
+    # The jitted prefill cannot see cu_seqlens' values: check them here
+    # (the call syncs anyway when it reads back the error word).
+    values = _cu_values(cu_seqlens, need=True)
+    _cd.check_cu_seqlens("cu_seqlens", tuple(cu_seqlens.shape),
+                         dtype_name(cu_seqlens.dtype), k.shape[0], values)
+    max_seqlen = _cd.check_max_seqlen("max_seqlen", max_seqlen, values) or \
+        max_seqlen
     if max_seqlen is None:
       max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    if seq_ids is not None:
+      _check_tensor("seq_ids", seq_ids, 1, "[num_seqs]")
+      _ckv.check_seq_ids("seq_ids", tuple(seq_ids.shape),
+                         dtype_name(seq_ids.dtype), cu_seqlens.shape[0] - 1)
     if seq_ids is None:
       seq_ids = torch.arange(cu_seqlens.shape[0] - 1, dtype=torch.int32,
                              device=q.device)
@@ -178,6 +227,7 @@ class FoldKVCache:
 
   def append(self, k: Tensor, v: Tensor, *, active: Tensor | None = None):
     """Appends k, v [batch, (n,) n_kv_heads, head_dim] to the slots."""
+    self._check_inputs(k=k, v=v, active=active)
     imp = self._imp()
     act = None if active is None else imp(active.to(torch.bool))
     self.jax = _append_fn()(self.jax, imp(k), imp(v), act)
@@ -198,6 +248,11 @@ class FoldKVCache:
     return self
 
 
+def _max_draft() -> int:
+  from pallas_kernels.decode import MAX_DRAFT
+  return MAX_DRAFT
+
+
 def fold_attn_with_kvcache(q: Tensor, cache: FoldKVCache, k: Tensor | None = None,
                            v: Tensor | None = None, *,
                            softmax_scale: float | None = None,
@@ -214,6 +269,16 @@ def fold_attn_with_kvcache(q: Tensor, cache: FoldKVCache, k: Tensor | None = Non
   """
   if (k is None) != (v is None):
     raise ValueError("pass both k and v, or neither.")
+  cache._check_inputs(q=None, k=k, v=v, active=active, sinks=sinks)
+  if not isinstance(q, Tensor):
+    raise TypeError(f"q must be a torch.Tensor; got {type(q).__name__}.")
+  c = cache.config
+  _ckv.check_decode_q(tuple(q.shape), dtype_name(q.dtype), batch=c.batch,
+                      n_heads=c.n_heads, head_dim=c.head_dim,
+                      cache_dtype=c.dtype, max_draft=_max_draft())
+  _ckv.check_num_splits(num_splits)
+  _cc.check_window(window_size)
+  _cc.check_softcap(softcap)
   opts = _opts(softmax_scale=softmax_scale, window_size=tuple(window_size),
                softcap=float(softcap), num_splits=num_splits,
                backend=cache.target.backend)

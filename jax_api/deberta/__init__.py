@@ -13,12 +13,12 @@ from jax_api.deberta.convert import (from_hf,
                                      from_hf_nnx, state_dict_to_params,
                                      to_hf_state_dict)
 from jax_api.deberta.modules import (DebertaV2Config, DebertaV2Encoder,
-                                     DebertaV2EncoderNNX,
                                      DebertaV2ForSequenceClassification,
-                                     DebertaV2Model, DebertaV2ModelNNX,
-                                     DebertaV2SelfAttention,
-                                     DebertaV2SelfAttentionNNX,
-                                     linen_params, load_linen_params)
+                                     DebertaV2Model, DebertaV2SelfAttention)
+from jax_api.deberta.modules_nnx import (DebertaV2EncoderNNX,
+                                         DebertaV2ModelNNX,
+                                         DebertaV2SelfAttentionNNX,
+                                         linen_params, load_linen_params)
 
 __all__ = [
     "disentangled_attention", "from_hf", "from_hf_for_sequence_classification",

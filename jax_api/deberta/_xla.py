@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.deberta import _dropout
+from pallas_kernels.deberta import dropout_hash
 from pallas_kernels.deberta.config import KernelConfig
 
 _HIGHEST = lax.Precision.HIGHEST
@@ -87,11 +87,11 @@ def xla_disentangled(q, k, v, pos_key, pos_query, seg, pos, valid, seed, *,
     den = jnp.sum(p, axis=-1, keepdims=True)
     p = p / jnp.where(den > 0, den, 1.0)
     if cfg.has_dropout:
-      key = _dropout.program_key(seed, segc[:, None, :],
+      key = dropout_hash.program_key(seed, segc[:, None, :],
                                  jnp.arange(h, dtype=jnp.int32)[None, :, None])
-      rh = _dropout.row_hash(key, posc[:, None, :])
-      keep = _dropout.keep(rh[..., None], pos[:, None, None, :],
-                           _dropout.threshold(cfg.dropout_rate))
+      rh = dropout_hash.row_hash(key, posc[:, None, :])
+      keep = dropout_hash.keep(rh[..., None], pos[:, None, None, :],
+                           dropout_hash.threshold(cfg.dropout_rate))
       p = jnp.where(keep, p * cfg.keep_scale, 0.0)
     return jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), v, precision=prec,
                       preferred_element_type=f32).astype(q.dtype)

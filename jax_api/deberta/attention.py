@@ -8,18 +8,18 @@ index placement; a fully masked query row gives 0 and zero gradients).
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jax_api import _validation as val
+from jax_api.contract import deberta as _cdb
 from jax_api._backend import _gpu_capability, resolve_backend
-from pallas_kernels._varlen import token_seq_ids
-from pallas_kernels.deberta import _dropout
-from pallas_kernels.deberta._geometry import geometry
+from pallas_kernels import settings
+from pallas_kernels.varlen import token_seq_ids
+from pallas_kernels.deberta import dropout_hash
+from pallas_kernels.deberta.layout import geometry
 from pallas_kernels.deberta.backward import disentangled_backward
 from pallas_kernels.deberta.config import (DebertaBlocks, KernelConfig,
                                            blocks_for, gather_orientation)
@@ -102,46 +102,21 @@ _kernel_attention.defvjp(_fwd, _bwd)
 
 
 def _check_pos(name, pos, span, h, d, dtype):
-  val.check_array(name, pos, ndim=3, layout="[2*att_span, heads, head_dim]")
-  val.check_float_dtype(name, pos)
-  if pos.shape[1:] != (h, d):
-    raise ValueError(f"{name} must have shape [>= 2*att_span, {h}, {d}]; got "
-                     f"{tuple(pos.shape)}.")
-  if pos.shape[0] < 2 * span:
-    raise ValueError(f"{name} has {pos.shape[0]} rows; needs at least "
-                     f"2*att_span = {2 * span} (att_span = position_buckets "
-                     "if > 0 else max_relative_positions).")
+  if pos is not None:
+    val.check_array(name, pos, ndim=3, layout="[2*att_span, heads, head_dim]")
+  _cdb.check_position_table(name, None if pos is None else pos.shape,
+                            None if pos is None else pos.dtype, span, h, d)
   return jnp.asarray(pos)[: 2 * span].astype(dtype)
 
 
 def _check_options(position_buckets, max_relative_positions, pos_att_type,
                    dropout_rate, dropout_rng):
-  for name, x in (("position_buckets", position_buckets),
-                  ("max_relative_positions", max_relative_positions)):
-    if not isinstance(x, (int, np.integer)) or isinstance(x, bool):
-      raise TypeError(f"{name} must be a Python int; got {x!r}.")
-  if max_relative_positions < 1:
-    raise ValueError(
-        "max_relative_positions must be >= 1 (HF replaces values < 1 by "
-        f"max_position_embeddings; do that first); got "
-        f"{max_relative_positions}.")
-  if isinstance(pos_att_type, str):
-    pos_att_type = tuple(t.strip() for t in pos_att_type.split("|") if t)
-  types = tuple(pos_att_type or ())
-  bad = [t for t in types if t not in ("c2p", "p2c")]
-  if bad:
-    raise ValueError(f"pos_att_type entries must be 'c2p' or 'p2c'; got "
-                     f"{bad}.")
-  if not isinstance(dropout_rate, (int, float, np.floating)):
-    raise TypeError(f"dropout_rate must be a Python float; got "
-                    f"{dropout_rate!r}.")
-  if not 0.0 <= float(dropout_rate) < 1.0:
-    raise ValueError(f"dropout_rate must be in [0, 1); got {dropout_rate}.")
-  if dropout_rate > 0 and dropout_rng is None:
-    raise ValueError("dropout_rate > 0 needs dropout_rng (a jax.random key).")
-  return "c2p" in types, "p2c" in types, float(dropout_rate)
+  return _cdb.check_options(position_buckets, max_relative_positions,
+                            pos_att_type, dropout_rate,
+                            dropout_rng is not None)
 
 
+@settings.accepts_config
 def disentangled_attention(
     q: jax.Array, k: jax.Array, v: jax.Array,
     pos_key: jax.Array | None = None, pos_query: jax.Array | None = None, *,
@@ -179,16 +154,15 @@ def disentangled_attention(
     backend: "auto", "pallas", "interpret" or "xla" (jax_api._backend).
       "xla" is a chunked pure-JAX path (one [batch, heads, 128, seq] score
       block at a time, autodiff backward, not bitwise deterministic on GPU).
+    config: a `jax_api.KernelSettings` (compiler, tiles); None: the
+      documented defaults (`pallas_kernels.settings`).
 
   Returns:
     out shaped like q, in q's dtype.
   """
   packed = cu_seqlens is not None
   val.check_qkv(q, k, v, packed=packed)
-  if q.shape != k.shape:
-    raise ValueError(f"disentangled attention is self-attention: q and k "
-                     f"must have one shape; got {tuple(q.shape)} and "
-                     f"{tuple(k.shape)}.")
+  _cdb.check_self_attention(q.shape, k.shape)
   c2p, p2c, rate = _check_options(position_buckets, max_relative_positions,
                                   pos_att_type, dropout_rate, dropout_rng)
   geo = geometry(int(position_buckets), int(max_relative_positions))
@@ -197,24 +171,21 @@ def disentangled_attention(
   pq = (_check_pos("pos_query", pos_query, geo.span, h, d, q.dtype)
         if p2c else None)
   if packed:
-    if attention_mask is not None:
-      raise ValueError("attention_mask and cu_seqlens are exclusive (packed "
-                       "sequences need no padding mask).")
+    _cdb.check_packed_mask_exclusive(attention_mask is not None)
     val.check_cu_seqlens("cu_seqlens", cu_seqlens, q.shape[0])
+    val.concrete_max_seqlen("max_seqlen", cu_seqlens, max_seqlen)
   elif attention_mask is not None:
     val.check_array("attention_mask", attention_mask, ndim=2,
                     layout="[batch, seq]")
-    if tuple(attention_mask.shape) != tuple(lead):
-      raise ValueError(f"attention_mask must have shape [batch, seq] = "
-                       f"{list(lead)}; got {tuple(attention_mask.shape)}.")
-  seed = (_dropout.seed_from_rng(dropout_rng) if rate > 0 else None)
+    _cdb.check_attention_mask(attention_mask.shape, lead)
+  seed = (dropout_hash.seed_from_rng(dropout_rng) if rate > 0 else None)
   be = resolve_backend(backend, kernel="disentangled_attention")
   # Full tiles without load masks: on for GPUs, off in interpret mode (half
-  # the traced loop bodies); FOLDAX_DEBERTA_SPLIT_TILES=1/0 forces it. The
-  # bits do not depend on it (same float operations either way).
-  split_env = os.environ.get("FOLDAX_DEBERTA_SPLIT_TILES", "")
-  split = (split_env == "1") if split_env in ("0", "1") else (
-      be != "interpret")
+  # the traced loop bodies); KernelSettings.deberta_split_tiles forces it.
+  # The bits do not depend on it (same float operations either way).
+  split = settings.current().deberta_split_tiles
+  if split is None:
+    split = be != "interpret"
   cfg = KernelConfig(geo, c2p, p2c, attention_mask is not None and not packed,
                      rate, d, split, gather_orientation())
 

@@ -174,7 +174,8 @@ def from_hf_nnx(hf_model_or_state_dict, config=None, *, dtype=jnp.float32,
   converted weights (seed: its dropout stream; remat: as `from_hf`'s)."""
   from flax import nnx
 
-  from jax_api.deberta.modules import DebertaV2ModelNNX, load_linen_params
+  from jax_api.deberta.modules_nnx import (DebertaV2ModelNNX,
+                                           load_linen_params)
   linen_model, params = from_hf(hf_model_or_state_dict, config, dtype=dtype,
                                 param_dtype=param_dtype,
                                 attention_backend=attention_backend)

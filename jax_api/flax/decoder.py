@@ -53,7 +53,7 @@ from flax import nnx
 
 from jax_api.dense import fold_attn_func, fold_attn_varlen_func
 from jax_api.kvcache import FoldKVCache, fold_attn_with_kvcache
-from pallas_kernels._varlen import token_seq_ids_clipped
+from pallas_kernels.varlen import token_seq_ids_clipped
 
 __all__ = ["DecoderAttention", "DecoderAttentionNNX", "apply_rope",
            "segment_positions", "varlen_positions"]

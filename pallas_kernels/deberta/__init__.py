@@ -1,7 +1,7 @@
 """DeBERTa-v2/v3 disentangled attention: Pallas forward and deterministic
 backward over the packed token layout (see `forward` and `backward`)."""
 
-from pallas_kernels.deberta._geometry import Geometry, geometry
+from pallas_kernels.deberta.layout import Geometry, geometry
 from pallas_kernels.deberta.backward import disentangled_backward
 from pallas_kernels.deberta.config import (DebertaBlocks, KernelConfig,
                                            blocks_for)

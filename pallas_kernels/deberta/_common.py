@@ -10,7 +10,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.deberta.config import KernelConfig
 # The flash kernels' helpers, shared (re-exported for the DeBERTa kernels).
-from pallas_kernels.flash._tiles import (  # noqa: F401
+from pallas_kernels.flash.tiles import (  # noqa: F401
     cdiv, full_spec, head_dim_mask)
 
 

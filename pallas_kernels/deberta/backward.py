@@ -10,7 +10,7 @@ D_i) / c, the gradients are
   dKpos[r] = sum_i dC[i, r] q_i,  dQpos[r] = sum_j dP[j, r] k_j.
 
 dC and dP are scatter-adds over buckets. They are made deterministic by the
-band layout of `_geometry`: each pair (i, j) has a band column w(i - j), and
+band layout of `layout`: each pair (i, j) has a band column w(i - j), and
 the non-saturated columns hold exactly one pair per row. So
 
 * `_dq_kernel` (owns a query tile, walks key tiles in a fixed order) runs
@@ -48,12 +48,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._varlen import token_seq_ids_clipped
+from pallas_kernels.varlen import token_seq_ids_clipped
 from pallas_kernels.deberta import _common as cm
-from pallas_kernels.deberta import _dropout
+from pallas_kernels.deberta import dropout_hash
 from pallas_kernels.deberta.config import (DebertaBlocks, KernelConfig,
                                            head_dim_pad)
-from pallas_kernels.flash._tiles import LOG2E, mask_and
+from pallas_kernels.flash.tiles import LOG2E, mask_and
 from pallas_kernels.flash.forward import dot_precision
 
 _HIGHEST = lax.Precision.HIGHEST
@@ -153,8 +153,8 @@ def _dq_kernel(cu_ref, slot_ref, *refs, cfg: KernelConfig, block_q: int,
                                           block_q, q_valid)
     row_h = None
     if cfg.has_dropout:
-      row_h = _dropout.row_hash(
-          _dropout.program_key(r["seed"][0], seq, head), q_pos)
+      row_h = dropout_hash.row_hash(
+          dropout_hash.program_key(r["seed"][0], seq, head), q_pos)
     n_kt = cm.cdiv(n, block_k)
     n_full = lax.div(n, block_k)
 
@@ -190,8 +190,8 @@ def _dq_kernel(cu_ref, slot_ref, *refs, cfg: KernelConfig, block_q: int,
       p = jnp.where(vis, p, 0.0)
       dp = plgpu.dot(do, v, trans_b=True, precision=precision)
       if cfg.has_dropout:
-        keep = _dropout.keep(row_h[:, None], k_pos[None, :],
-                             _dropout.threshold(cfg.dropout_rate))
+        keep = dropout_hash.keep(row_h[:, None], k_pos[None, :],
+                             dropout_hash.threshold(cfg.dropout_rate))
         dp = jnp.where(keep, dp * cfg.keep_scale, 0.0)
       ds = p * (dp - delta[:, None]) * cfg.scale
       dq = dq + plgpu.dot(ds.astype(dtype), k, precision=precision)
@@ -280,7 +280,7 @@ def _dkdv_kernel(cu_ref, slot_ref, *refs, cfg: KernelConfig, block_q: int,
                                           block_k, k_valid)
     key = None
     if cfg.has_dropout:
-      key = _dropout.program_key(r["seed"][0], seq, head)
+      key = dropout_hash.program_key(r["seed"][0], seq, head)
     n_qt = cm.cdiv(n, block_q)
     n_full = lax.div(n, block_q)
 
@@ -316,9 +316,9 @@ def _dkdv_kernel(cu_ref, slot_ref, *refs, cfg: KernelConfig, block_q: int,
       dp_t = plgpu.dot(v, do, trans_b=True, precision=precision)
       pv_t = p_t
       if cfg.has_dropout:
-        keep_t = _dropout.keep(_dropout.row_hash(key, q_pos)[None, :],
+        keep_t = dropout_hash.keep(dropout_hash.row_hash(key, q_pos)[None, :],
                                k_pos[:, None],
-                               _dropout.threshold(cfg.dropout_rate))
+                               dropout_hash.threshold(cfg.dropout_rate))
         pv_t = jnp.where(keep_t, p_t * cfg.keep_scale, 0.0)
         dp_t = jnp.where(keep_t, dp_t * cfg.keep_scale, 0.0)
       dv = dv + plgpu.dot(pv_t.astype(dtype), do, precision=precision)

@@ -12,12 +12,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.deberta._geometry import Geometry
+from pallas_kernels import settings
+from pallas_kernels.deberta.layout import Geometry
 from pallas_kernels.flash.config import BlockSizes
 
 KERNELS = ("fwd", "bwd_kv", "bwd_q", "band", "table")
@@ -89,7 +89,7 @@ class DebertaBlocks:
 
 
 # Hopper (sm_90). The 16-bit forward entry comes from an H200 sweep of the
-# whole DeBERTa-v3-base encoder (`python -m benchmarks.deberta_sweep`,
+# whole DeBERTa-v3-base encoder (a sweep since removed, in git history:
 # benchmarks/results/h200/deberta-sweep-2026-12-03/): 64x128 with 4 warps ran
 # B16 L512 in 7.31 ms against 8.07 ms for the earlier 128x64 with 8 warps
 # (ragged padding: 7.02 against 7.97 ms); the table GEMM's 128x128/8 warps
@@ -124,7 +124,7 @@ INTERPRET_BLOCKS = DebertaBlocks(*(BlockSizes(16, 16, 4, 1),) * 4,
 
 
 def _override() -> dict:
-  path = os.environ.get("FOLDAX_DEBERTA_BLOCKS")
+  path = settings.current().deberta_blocks
   if not path:
     return {}
   with open(path) as f:
@@ -135,10 +135,9 @@ def blocks_for(*, head_dim: int, dtype, interpret: bool,
                compute_capability=None) -> DebertaBlocks:
   if interpret:
     return INTERPRET_BLOCKS
-  from pallas_kernels.flash.config import compiled_by_context
   itemsize = min(4, jnp.dtype(dtype).itemsize)
   over = _override()
-  pip = compiled_by_context() == "triton"
+  pip = settings.compiled_by_context() == "triton"
   picks = []
   for kern in KERNELS:
     b = _H100[(kern, itemsize)]
@@ -158,16 +157,13 @@ def gather_orientation() -> str:
   """KernelConfig.gather for the compiler in use, chosen like the tiles:
   "direct" for pip Triton's compile (the torch bridge's direct launch,
   inside `flash.config.compiled_by("triton")`), where it measured faster;
-  "transposed" for XLA's. FOLDAX_DEBERTA_GATHER ("direct" / "transposed")
+  "transposed" for XLA's. KernelSettings.deberta_gather ("direct" / "transposed")
   overrides both (for measuring); the bits are the same either way."""
-  from pallas_kernels.flash.config import compiled_by_context
-  env = os.environ.get("FOLDAX_DEBERTA_GATHER", "")
-  if env:
-    if env not in ("direct", "transposed"):
-      raise ValueError("FOLDAX_DEBERTA_GATHER must be 'direct' or "
-                       f"'transposed'; got {env!r}.")
-    return env
-  return "direct" if compiled_by_context() == "triton" else "transposed"
+  chosen = settings.current().deberta_gather
+  if chosen:
+    return chosen
+  return ("direct" if settings.compiled_by_context() == "triton" else
+          "transposed")
 
 
 def head_dim_pad(head_dim: int) -> int:

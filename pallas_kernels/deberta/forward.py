@@ -4,7 +4,7 @@ Layouts (as `pallas_kernels.flash.forward`):
   q, k, v: [total, heads, head_dim]; cu_seqlens: int32 [num_seqs + 1]
   c2p table: [total, heads, 2*span]  = Q . Kpos^T  (row: query token)
   p2c table: [total, heads, 2*span]  = K . Qpos^T  (row: key token)
-  slot_table: int32 [width] (see `_geometry`)
+  slot_table: int32 [width] (see `layout`)
   token_mask (optional): int32 [total], pair (i, j) visible iff both != 0
   seq_lens (optional): int32 [num_seqs], the tokens each sequence uses from
     the start of its cu_seqlens slot (FlashAttention's `seqused`); the rest
@@ -26,7 +26,7 @@ passes seq_lens computed on the device from the mask: a row's length when
 its valid tokens are a prefix, MASKED_ROW otherwise. Not reading the mask
 saves 8% of a layer (both position tables and this kernel) at B16 L512 and
 21% at B4 L2048 (DeBERTa-v3-base shapes, H200, pip Triton's compile;
-`benchmarks.deberta_direct_sweep --without-mask`).
+a tile sweep of the direct launch without the mask, since removed: see git history).
 
 Score of (i, j), in base 2:
   (q_i . k_j + c2p[i, slot(i - j)] + p2c[j, slot(i - j)]) * log2(e) / c
@@ -55,9 +55,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.deberta import _common as cm
-from pallas_kernels.deberta import _dropout
+from pallas_kernels.deberta import dropout_hash
 from pallas_kernels.deberta.config import KernelConfig, head_dim_pad
-from pallas_kernels.flash._tiles import LOG2E, mask_and
+from pallas_kernels.flash.tiles import LOG2E, mask_and
 from pallas_kernels.flash.config import BlockSizes
 from pallas_kernels.flash.forward import dot_precision
 
@@ -118,8 +118,8 @@ def _forward_kernel(cu_ref, slot_ref, *refs, cfg: KernelConfig, block_q: int,
             other=0.0).astype(jnp.float32)
     row_h = None
     if cfg.has_dropout:
-      key = _dropout.program_key(seed_ref[0], seq, head)
-      row_h = _dropout.row_hash(key, q_pos)
+      key = dropout_hash.program_key(seed_ref[0], seq, head)
+      row_h = dropout_hash.row_hash(key, q_pos)
 
     n_kt = cm.cdiv(n, block_k)
     n_full = lax.div(n, block_k)
@@ -160,8 +160,8 @@ def _forward_kernel(cu_ref, slot_ref, *refs, cfg: KernelConfig, block_q: int,
       p = jnp.exp2(s - m_safe[:, None])
       l_next = l_prev * alpha + jnp.sum(p, axis=1)
       if cfg.has_dropout:
-        keep = _dropout.keep(row_h[:, None], k_pos[None, :],
-                             _dropout.threshold(cfg.dropout_rate))
+        keep = dropout_hash.keep(row_h[:, None], k_pos[None, :],
+                             dropout_hash.threshold(cfg.dropout_rate))
         p = jnp.where(keep, p * cfg.keep_scale, 0.0)
       v = cm.load(v_ref.at[pl.ds(off + k0, block_k), :], mask=kv_mask,
                      other=0.0)

@@ -6,7 +6,7 @@ convention) and multiplies the normalised probabilities by
 keep / (1 - rate) before the product with v, which is HF's
 `dropout(softmax(scores)) @ v` for a given mask. Tests check it against the
 dropout-free reference at rate 0 and feed it the kernels' mask
-(`_dropout.keep_mask_padded` / `keep_mask_varlen`).
+(`dropout_hash.keep_mask_padded` / `keep_mask_varlen`).
 """
 
 from __future__ import annotations

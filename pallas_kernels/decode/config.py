@@ -13,10 +13,11 @@ which chunk, never what a chunk computes.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels import settings
 
 # A draft (speculative) query block has at most this many tokens; the newest
 # `SAMPLE_TILE` keys are sampled for the declared reference, so every draft
@@ -62,10 +63,9 @@ def decode_blocks_for(*, compute_capability, head_dim_pad: int, dtype,
   if interpret:
     blocks = INTERPRET_BLOCKS
   else:
-    env = os.environ.get("FOLDAX_DECODE_BLOCKS")
-    if env:
-      bk, nw, ns = (int(x) for x in env.split(","))
-      blocks = DecodeBlocks(bk, nw, ns)
+    chosen = settings.current().decode_blocks
+    if chosen:
+      blocks = DecodeBlocks(*chosen)
     else:
       major = compute_capability[0] if compute_capability else 8
       itemsize = min(4, jnp.dtype(dtype).itemsize)

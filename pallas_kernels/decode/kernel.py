@@ -10,6 +10,10 @@ Layouts (those of `pallas_kernels.reference.decode`):
   block_table: int32 [batch, max_pages]; lengths: int32 [batch].
   summaries:   (kmax, kmin) [num_pages, heads_kv, d_pad] in the key dtype and
                (ksum, ksumsq) float32: per-page key statistics (depth).
+  k_scales, v_scales: float32 [num_pages, heads_kv] (fp8 only): k_pages and
+               v_pages hold FP8 entries that decode as entry * scale of their
+               (page, head) (`pallas_kernels.decode.fp8`); anchors stay in the
+               query dtype, already dequantised.
 
 The softmax reference is declared before any reduction
 ------------------------------------------------------
@@ -57,8 +61,13 @@ scale * (c + r / 16); the residual term of key j is used only when
 w_j >= 2^-v8_depth, and a tile where no weight reaches that reads only the
 coarse plane (half the value bytes).
 
+fp8: keys and values are dequantised in registers right after their load,
+(entry * scale).astype(q.dtype); the scales are powers of two, so this is
+exact and the program then runs on the same values as over a cache holding
+the dequantised pages (same bits, half the bytes read).
+
 Every one of these decisions is a function of the row's own data, so the
-invariances above hold for depth and v8 too.
+invariances above hold for depth, v8 and fp8 too.
 """
 
 from __future__ import annotations
@@ -73,7 +82,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.decode.config import MAX_DRAFT, SAMPLE_TILE
-from pallas_kernels.flash._tiles import LN2, LOG2E
+from pallas_kernels.flash.tiles import LN2, LOG2E
 
 # A row is recomputed against its exact maximum when M - R exceeds this.
 OVERFLOW_MARGIN = 64.0
@@ -114,6 +123,7 @@ class DecodeSpec:
   v8_depth: int
   has_sinks: bool
   interpret: bool
+  fp8: bool = False     # FP8 pages + per-(page, head) float32 scales
 
   def __post_init__(self):
     if self.page_size % self.block_k:
@@ -198,19 +208,29 @@ def _window(spec: DecodeSpec, hi):
   return jnp.int32(0)
 
 
-def _gather_keys(k_ref, bt_ref, b, h, kpos, ok, spec: DecodeSpec):
+def _dequant(x, scale, dtype):
+  """FP8 entries times a power-of-two float32 scale: exact in dtype."""
+  return (x.astype(jnp.float32) * scale).astype(dtype)
+
+
+def _gather_keys(k_ref, bt_ref, b, h, kpos, ok, spec: DecodeSpec,
+                 ks_ref=None, dtype=None):
   """[len(kpos), d_pad] keys at logical positions kpos (rows with ok False
-  read as 0) through the block table."""
+  read as 0) through the block table (fp8: dequantised to dtype)."""
   s = spec.page_size
   kp = jnp.where(ok, kpos, 0)
   pages = plgpu.load(bt_ref.at[b, kp // s], mask=ok, other=0)
   d = jnp.arange(spec.d_pad, dtype=jnp.int32)[None, :]
-  return plgpu.load(k_ref.at[pages[:, None], (kp % s)[:, None], h, d],
-                    mask=ok[:, None], other=0.0)
+  k = plgpu.load(k_ref.at[pages[:, None], (kp % s)[:, None], h, d],
+                 mask=ok[:, None], other=0.0)
+  if spec.fp8:
+    ks = plgpu.load(ks_ref.at[pages, h], mask=ok, other=0.0)
+    k = _dequant(k, ks[:, None], dtype)
+  return k
 
 
 def _declared_reference(spec: DecodeSpec, q, k_ref, bt_ref, anchors_ref, b, h,
-                        hi, lo, rows: _Rows):
+                        hi, lo, rows: _Rows, ks_ref=None):
   """max over a fixed sample of visible keys of the row's score (base 2):
   the first key of every page in [lo, hi) (from the per-sequence anchor
   array, contiguous: no block-table chain) and the newest SAMPLE_TILE keys."""
@@ -240,7 +260,7 @@ def _declared_reference(spec: DecodeSpec, q, k_ref, bt_ref, anchors_ref, b, h,
   # The newest keys (each draft row's own token among them).
   kpos = hi - SAMPLE_TILE + jnp.arange(SAMPLE_TILE, dtype=jnp.int32)
   ok = (kpos >= lo) & (kpos >= 0)
-  kk = _gather_keys(k_ref, bt_ref, b, h, kpos, ok, spec)
+  kk = _gather_keys(k_ref, bt_ref, b, h, kpos, ok, spec, ks_ref, q.dtype)
   return sample_max(kk, kpos, ok, ref)
 
 
@@ -273,6 +293,8 @@ class _Program:
      self.anchors_ref) = refs[:6]
     refs = list(refs[6:])
     self.vr_ref = refs.pop(0) if spec.v8 else None
+    self.ks_ref, self.vs_ref = ((refs.pop(0), refs.pop(0)) if spec.fp8
+                                else (None, None))
     self.sum_refs = (tuple(refs.pop(0) for _ in range(4))
                      if spec.summaries else None)
     self.sinks_ref = refs.pop(0) if spec.has_sinks else None
@@ -295,7 +317,7 @@ class _Program:
     spec = self.spec
     ref = _declared_reference(spec, self.q, self.k_ref, self.bt_ref,
                               self.anchors_ref, self.b, self.h, self.hi,
-                              self.lo, self.rows)
+                              self.lo, self.rows, self.ks_ref)
     if spec.has_sinks:
       ref = jnp.maximum(ref, self.sink2())
     return jnp.where(ref == -jnp.inf, 0.0, ref)
@@ -334,6 +356,8 @@ class _Program:
         kmask = kmask & _any(keep & rows.ok)
       k = plgpu.load(self.k_ref.at[page, pl.ds(off, bk), h, :], mask=kmask,
                      other=0.0)
+      if spec.fp8:
+        k = _dequant(k, self.ks_ref[page, h], q.dtype)
       sc = _scores(spec, plgpu.dot(q, k, trans_b=True, precision=precision))
       m = jnp.maximum(m, jnp.max(jnp.where(use, sc, -jnp.inf), axis=1))
       rel = sc - ref[:, None]
@@ -350,6 +374,8 @@ class _Program:
         vmask = vmask & _any2(num > 0.0)
       v = plgpu.load(self.v_ref.at[page, pl.ds(off, bk), h, :], mask=vmask,
                      other=0.0)
+      if spec.fp8:
+        v = _dequant(v, self.vs_ref[page, h], q.dtype)
       cdt = q.dtype
       acc = acc + plgpu.dot(num.astype(cdt), v.astype(cdt),
                             precision=precision)
@@ -476,7 +502,8 @@ def _full(shape):
 @functools.partial(jax.jit, static_argnames=("spec", "fallback"))
 def fold_decode(q, k_pages, v_pages, block_table, lengths, anchors, *,
                 spec: DecodeSpec, v_res=None, v_scale=None, summaries=None,
-                sinks=None, fallback: bool = True):
+                sinks=None, k_scales=None, v_scales=None,
+                fallback: bool = True):
   """Decode attention over a paged cache (see the module docstring).
 
   Args:
@@ -486,6 +513,8 @@ def fold_decode(q, k_pages, v_pages, block_table, lengths, anchors, *,
     anchors: [batch, max_pages, heads_kv, d_pad], the first key of each
       logical page (`page_anchors`; FoldKVCache keeps it up to date).
     v_res, v_scale: the residual E4M3 plane and float32 [1] scale (v8).
+    k_scales, v_scales: float32 [num_pages, heads_kv] (spec.fp8: the pools
+      hold FP8 entries).
     summaries: (kmax, kmin, ksum, ksumsq) [num_pages, heads_kv, d_pad]
       (depth only).
     sinks: float32 [heads_q] or None.
@@ -500,6 +529,8 @@ def fold_decode(q, k_pages, v_pages, block_table, lengths, anchors, *,
   ins = [lengths, block_table, q, k_pages, v_pages, anchors]
   if spec.v8:
     ins.append(v_res)
+  if spec.fp8:
+    ins.extend([k_scales.astype(jnp.float32), v_scales.astype(jnp.float32)])
   if spec.summaries:
     ins.extend(summaries)
   if spec.has_sinks:

@@ -83,7 +83,7 @@ def make_spec(*, heads_q: int, heads_kv: int, q_len: int, head_dim: int,
               max_pages: int, softmax_scale=None, softcap: float = 0.0,
               window_left: int = -1, depth=None, v8: bool = False,
               v8_depth: int = DEFAULT_V8_DEPTH, has_sinks: bool = False,
-              num_splits=None, interpret: bool = False,
+              fp8: bool = False, num_splits=None, interpret: bool = False,
               compute_capability=None,
               blocks: DecodeBlocks | None = None) -> DecodeSpec:
   d_pad = head_dim_pad(head_dim)
@@ -103,7 +103,7 @@ def make_spec(*, heads_q: int, heads_kv: int, q_len: int, head_dim: int,
       n_splits=int(num_splits), scale=scale, softcap=float(softcap),
       left=int(window_left), depth=None if depth is None else int(depth),
       v8=bool(v8), v8_depth=int(v8_depth), has_sinks=has_sinks,
-      interpret=interpret)
+      interpret=interpret, fp8=bool(fp8))
 
 
 def page_anchors(k_pages, block_table):
@@ -121,7 +121,8 @@ def paged_decode(q, k_pages, v_pages, block_table, lengths, *, anchors=None,
                  v8_depth: int = DEFAULT_V8_DEPTH, num_splits=None,
                  interpret: bool = False, compute_capability=None,
                  blocks: DecodeBlocks | None = None, fallback: bool = True,
-                 return_reference: bool = False):
+                 return_reference: bool = False, k_scales=None,
+                 v_scales=None):
   """Decode attention; q [batch, q_len, heads_q, head_dim] (or [batch,
   heads_q, head_dim]) -> the same shape, in q's dtype.
 
@@ -129,6 +130,9 @@ def paged_decode(q, k_pages, v_pages, block_table, lengths, *, anchors=None,
   head_dim rounded up to a power of two >= 16 (zero padded). v8 when v_res
   is given (v_pages is then the coarse plane). anchors: `page_anchors(k_pages,
   block_table)` (computed here when None; a cache keeps it incrementally).
+  FP8 when k_scales and v_scales (float32 [num_pages, heads_kv]) are given:
+  the pools hold FP8 entries (`pallas_kernels.decode.fp8`) and anchors, if
+  passed, are the dequantised first keys in q's dtype.
   """
   squeeze = q.ndim == 3
   if squeeze:
@@ -137,24 +141,35 @@ def paged_decode(q, k_pages, v_pages, block_table, lengths, *, anchors=None,
   hkv = k_pages.shape[2]
   page_size = k_pages.shape[1] if page_size is None else page_size
   v8 = v_res is not None
+  fp8 = k_scales is not None
+  if fp8 != (v_scales is not None):
+    raise ValueError("pass both k_scales and v_scales (FP8 pages), or "
+                     "neither.")
+  if fp8 and v8:
+    raise ValueError("v8 (v_res) and FP8 pages (k_scales) are exclusive.")
   spec = make_spec(heads_q=hq, heads_kv=hkv, q_len=q_len, head_dim=d,
                    page_size=page_size, chunk_tokens=chunk_tokens,
                    dtype=q.dtype, batch=b, max_pages=block_table.shape[1],
                    softmax_scale=softmax_scale, softcap=softcap,
                    window_left=window_left, depth=depth, v8=v8,
                    v8_depth=v8_depth, has_sinks=sinks is not None,
-                   num_splits=num_splits, interpret=interpret,
+                   fp8=fp8, num_splits=num_splits, interpret=interpret,
                    compute_capability=compute_capability, blocks=blocks)
   if spec.summaries and summaries is None:
     raise ValueError("depth decoding needs the page summaries.")
   block_table = jnp.asarray(block_table, jnp.int32)
   if anchors is None:
-    anchors = page_anchors(k_pages, block_table)
+    if fp8:
+      bt = jnp.clip(block_table, 0, k_pages.shape[0] - 1)
+      anchors = (k_pages[bt, 0].astype(jnp.float32) *
+                 k_scales[bt][..., None]).astype(q.dtype)
+    else:
+      anchors = page_anchors(k_pages, block_table)
   out, ref = _paged_decode(
       q, k_pages, v_pages, block_table, jnp.asarray(lengths, jnp.int32),
       anchors, v_res, v_scale,
-      summaries if spec.summaries else None, sinks, spec=spec,
-      fallback=fallback)
+      summaries if spec.summaries else None, sinks, k_scales, v_scales,
+      spec=spec, fallback=fallback)
   if squeeze:
     out = out[:, 0]
   return (out, ref) if return_reference else out
@@ -162,12 +177,14 @@ def paged_decode(q, k_pages, v_pages, block_table, lengths, *, anchors=None,
 
 @functools.partial(jax.jit, static_argnames=("spec", "fallback"))
 def _paged_decode(q, k_pages, v_pages, block_table, lengths, anchors, v_res,
-                  v_scale, summaries, sinks, *, spec, fallback):
+                  v_scale, summaries, sinks, k_scales, v_scales, *, spec,
+                  fallback):
   b, q_len, hq, d = q.shape
   qa = arrange_queries(q, k_pages.shape[2], spec.d_pad)
   out, ref = fold_decode(qa, k_pages, v_pages, block_table, lengths, anchors,
                          spec=spec, v_res=v_res, v_scale=v_scale,
-                         summaries=summaries, sinks=sinks, fallback=fallback)
+                         summaries=summaries, sinks=sinks, k_scales=k_scales,
+                         v_scales=v_scales, fallback=fallback)
   return unarrange_output(out, q_len, hq, d), ref
 
 
@@ -188,9 +205,15 @@ def contiguous_as_pages(k, page_size: int):
 
 def contiguous_decode(q, k, v, lengths, *, page_size: int, chunk_tokens: int,
                       **kw):
-  """`paged_decode` over a contiguous cache k, v [batch, seq, heads_kv, d]."""
+  """`paged_decode` over a contiguous cache k, v [batch, seq, heads_kv, d].
+
+  FP8: k, v hold FP8 entries and kw has k_scales, v_scales float32 [batch,
+  ceil(seq / page_size), heads_kv] (one per page of the contiguous view)."""
   kp, table = contiguous_as_pages(k, page_size)
   vp, _ = contiguous_as_pages(v, page_size)
+  for name in ("k_scales", "v_scales"):
+    if kw.get(name) is not None:
+      kw[name] = jnp.reshape(kw[name], (-1, kw[name].shape[-1]))
   if kw.get("depth") is not None:
     n = table.shape[1]
     pos = jnp.arange(n, dtype=jnp.int32)[None, :] * page_size

@@ -8,20 +8,15 @@ primitive lowers the same operation with relaxed semantics. It reuses Pallas'
 own abstract evaluation and interpret-mode discharge rule, so `interpret=True`
 behaves exactly like `atomic_add`.
 
-Private JAX APIs (jax 0.11.x); the project pins jax < 0.12.
+Private JAX APIs, through `pallas_kernels.compat`.
 """
 
 from __future__ import annotations
 
-from jax._src import core as jax_core
-from jax._src import tree_util
-from jax._src.pallas.triton import lowering as triton_lowering
-from jax._src.pallas.triton import primitives as triton_primitives
-from jax._src.lib.triton import dialect as tt_dialect
-from jax._src.state import discharge as state_discharge
-from jax._src.state import indexing
-from jax._src.state import primitives as state_primitives
-from jax._src import state
+from pallas_kernels.compat import jax_core, state, state_discharge
+from pallas_kernels.compat import state_indexing as indexing
+from pallas_kernels.compat import state_primitives, tree_util, tt_dialect
+from pallas_kernels.compat import triton_lowering, triton_primitives
 
 _ADD = triton_primitives.AtomicOpType.ADD
 

@@ -32,7 +32,7 @@ bound exceeds |dQ| by the ratio of worst to typical alignment; tests check
 the end-to-end error against the float32 reference).
 
 D_i = dO_i . O_i - dlse_i and e are per-row reductions; they come from the
-fixed-tile Pallas kernels of `pallas_kernels.flash._preprocess`, not from XLA
+fixed-tile Pallas kernels of `pallas_kernels.flash.preprocess`, not from XLA
 (whose reduction order and fusion may follow the batch's total shape), so
 every value a row's gradients depend on is computed the same way whatever
 else is in the batch.
@@ -50,23 +50,23 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import _pip_triton
-from pallas_kernels.flash import _preprocess, _tiles
+from pallas_kernels import pip_triton
+from pallas_kernels.flash import preprocess, tiles
 from pallas_kernels.flash._atomics import relaxed_atomic_add
-from pallas_kernels.flash._tiles import LN2, LOG2E, MaskConfig
+from pallas_kernels.flash.tiles import LN2, LOG2E, MaskConfig
 from pallas_kernels.flash.config import BlockSizes, head_dim_bucket
 from pallas_kernels.flash.forward import dot_precision
 
-# D_i and the grid exponents come from `_preprocess` (Pallas, fixed tiles):
+# D_i and the grid exponents come from `preprocess` (Pallas, fixed tiles):
 # as XLA reductions their bits could depend on the batch's shape.
-DQ_GRID_BITS = _preprocess.DQ_GRID_BITS
-token_sequence_ids = _preprocess.token_sequence_ids
+DQ_GRID_BITS = preprocess.DQ_GRID_BITS
+token_sequence_ids = preprocess.token_sequence_ids
 
 
 def _backward_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
                      delta_ref, *refs, cfg: MaskConfig,
                      block_q: int, block_k: int, head_dim: int, group: int,
-                     dq_mode: str, order: _tiles.LaunchOrder):
+                     dq_mode: str, order: tiles.LaunchOrder):
   refs = list(refs)
   inv_grid_ref = refs.pop(0) if dq_mode == "atomic" else None
   q_seg_ref = k_seg_ref = None
@@ -91,7 +91,7 @@ def _backward_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
 
   @pl.when(k0 < len_k)
   def _():
-    head_mask = _tiles.head_dim_mask(head_dim, d_pad)
+    head_mask = tiles.head_dim_mask(head_dim, d_pad)
     k_pos = k0 + jnp.arange(block_k)
     k_valid = k_pos < len_k
     # min() is the identity here (k0 < len_k), but it keeps the k/v tiles'
@@ -99,21 +99,21 @@ def _backward_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
     # forward's q tile): identical expressions would be CSE'd into one
     # [block_k, d_pad] offset tensor and mask kept live across the loops.
     kv_start = jnp.minimum(k_off + k0, k_ref.shape[0] - 1)
-    kv_load_mask = _tiles.mask_and(k_valid[:, None], head_mask)
-    k = _tiles.load(k_ref.at[pl.ds(kv_start, block_k), :], mask=kv_load_mask,
+    kv_load_mask = tiles.mask_and(k_valid[:, None], head_mask)
+    k = tiles.load(k_ref.at[pl.ds(kv_start, block_k), :], mask=kv_load_mask,
                     other=0.0)
-    v = _tiles.load(v_ref.at[pl.ds(kv_start, block_k), :], mask=kv_load_mask,
+    v = tiles.load(v_ref.at[pl.ds(kv_start, block_k), :], mask=kv_load_mask,
                     other=0.0)
     k_seg = None
     if cfg.has_segments:
-      k_seg = _tiles.load(k_seg_ref.at[pl.ds(k_off + k0, block_k)],
+      k_seg = tiles.load(k_seg_ref.at[pl.ds(k_off + k0, block_k)],
                          mask=k_valid, other=-2)
 
-    lo, hi = _tiles.query_range(cfg, k0, block_k, len_q, len_k)
-    ulo, uhi = _tiles.unmasked_query_range(cfg, k0, block_k, len_q, len_k)
+    lo, hi = tiles.query_range(cfg, k0, block_k, len_q, len_k)
+    ulo, uhi = tiles.unmasked_query_range(cfg, k0, block_k, len_q, len_k)
     if cfg.has_segments:
       ulo, uhi = hi, hi
-    first, n_pre, full_first, n_full, post_first, n_post = _tiles.block_split(
+    first, n_pre, full_first, n_full, post_first, n_post = tiles.block_split(
         lo, hi, ulo, uhi, block_q)
 
     def step(g, q_blk, carry, masked: bool):
@@ -126,25 +126,25 @@ def _backward_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
       # add exact zeros to dK, dV and to other sequences' dQ rows.
       # Unmasked tiles lie inside the sequence: their loads need no masks.
       row_valid = q_valid if masked else None
-      row_mask = _tiles.mask_and(
+      row_mask = tiles.mask_and(
           None if row_valid is None else row_valid[:, None], head_mask)
-      q = _tiles.load(q_ref.at[rows, g, :], mask=row_mask, other=0.0)
-      do = _tiles.load(do_ref.at[rows, g, :], mask=row_mask, other=0.0)
-      lse2 = _tiles.load(lse_ref.at[g, rows], mask=row_valid, other=0.0)
-      delta = _tiles.load(delta_ref.at[g, rows], mask=row_valid, other=0.0)
+      q = tiles.load(q_ref.at[rows, g, :], mask=row_mask, other=0.0)
+      do = tiles.load(do_ref.at[rows, g, :], mask=row_mask, other=0.0)
+      lse2 = tiles.load(lse_ref.at[g, rows], mask=row_valid, other=0.0)
+      delta = tiles.load(delta_ref.at[g, rows], mask=row_valid, other=0.0)
       inv_grid = None
       if dq_mode == "atomic":
-        inv_grid = _tiles.load(inv_grid_ref.at[g, rows], mask=row_valid,
+        inv_grid = tiles.load(inv_grid_ref.at[g, rows], mask=row_valid,
                               other=0.0)
 
-      s_t = _tiles.scores_log2(
+      s_t = tiles.scores_log2(
           cfg, plgpu.dot(k, q, trans_b=True, precision=precision))
       p_t = jnp.exp2(s_t - lse2[None, :])  # [block_k, block_q]
       if masked:
         q_seg = None
         if cfg.has_segments:
-          q_seg = _tiles.load(q_seg_ref.at[rows], mask=q_valid, other=-1)
-        vis = _tiles.visible(cfg, q_pos, k_pos, len_q, len_k, q_seg, k_seg)
+          q_seg = tiles.load(q_seg_ref.at[rows], mask=q_valid, other=-1)
+        vis = tiles.visible(cfg, q_pos, k_pos, len_q, len_k, q_seg, k_seg)
         p_t = jnp.where(vis.T, p_t, 0.0)
       dv = dv + plgpu.dot(p_t.astype(dtype), do, precision=precision)
       dp_t = plgpu.dot(v, do, trans_b=True, precision=precision)
@@ -173,7 +173,7 @@ def _backward_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
     zeros = jnp.zeros((block_k, d_pad), jnp.float32)
     dk, dv = lax.fori_loop(0, group, head, (zeros, zeros))
     # Not k_pos < len_k: see kv_start.
-    kv_mask = _tiles.mask_and((jnp.arange(block_k) < len_k - k0)[:, None],
+    kv_mask = tiles.mask_and((jnp.arange(block_k) < len_k - k0)[:, None],
                               head_mask)
     plgpu.store(dk_ref.at[pl.ds(k_off + k0, block_k), :],
                 (dk * cfg.scale).astype(dk_ref.dtype), mask=kv_mask)
@@ -183,7 +183,7 @@ def _backward_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
 
 def _dq_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
                delta_ref, *refs, cfg: MaskConfig, block_q: int, block_k: int,
-               head_dim: int, order: _tiles.LaunchOrder):
+               head_dim: int, order: tiles.LaunchOrder):
   """dQ without atomics: a program owns a query tile and recomputes P and dS
   for every key tile it sees (two more products than the atomic path)."""
   refs = list(refs)
@@ -205,27 +205,27 @@ def _dq_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
 
   @pl.when(q0 < len_q)
   def _():
-    head_mask = _tiles.head_dim_mask(head_dim, d_pad)
+    head_mask = tiles.head_dim_mask(head_dim, d_pad)
     q_pos = q0 + jnp.arange(block_q)
     q_valid = q_pos < len_q
     rows = pl.ds(q_off + q0, block_q)
     # min() is the identity (q0 < len_q): it keeps the q/dO tiles' addresses
     # and mask apart from the dQ store's (see _backward_kernel's kv_start).
     load_rows = pl.ds(jnp.minimum(q_off + q0, q_ref.shape[0] - 1), block_q)
-    load_mask = _tiles.mask_and(q_valid[:, None], head_mask)
-    q = _tiles.load(q_ref.at[load_rows, :], mask=load_mask, other=0.0)
-    do = _tiles.load(do_ref.at[load_rows, :], mask=load_mask, other=0.0)
-    lse2 = _tiles.load(lse_ref.at[rows], mask=q_valid, other=0.0)
-    delta = _tiles.load(delta_ref.at[rows], mask=q_valid, other=0.0)
+    load_mask = tiles.mask_and(q_valid[:, None], head_mask)
+    q = tiles.load(q_ref.at[load_rows, :], mask=load_mask, other=0.0)
+    do = tiles.load(do_ref.at[load_rows, :], mask=load_mask, other=0.0)
+    lse2 = tiles.load(lse_ref.at[rows], mask=q_valid, other=0.0)
+    delta = tiles.load(delta_ref.at[rows], mask=q_valid, other=0.0)
     q_seg = None
     if cfg.has_segments:
-      q_seg = _tiles.load(q_seg_ref.at[rows], mask=q_valid, other=-1)
-    lo, hi = _tiles.key_range(cfg, q0, block_q, len_q, len_k)
-    ulo, uhi = _tiles.unmasked_key_range(cfg, q0, block_q, len_q, len_k,
+      q_seg = tiles.load(q_seg_ref.at[rows], mask=q_valid, other=-1)
+    lo, hi = tiles.key_range(cfg, q0, block_q, len_q, len_k)
+    ulo, uhi = tiles.unmasked_key_range(cfg, q0, block_q, len_q, len_k,
                                          keys_in_bounds=True)
     if cfg.has_segments:
       ulo, uhi = hi, hi
-    first, n_pre, full_first, n_full, post_first, n_post = _tiles.block_split(
+    first, n_pre, full_first, n_full, post_first, n_post = tiles.block_split(
         lo, hi, ulo, uhi, block_k)
 
     def step(k_blk, dq, masked: bool):
@@ -233,20 +233,20 @@ def _dq_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
       k_pos = k0 + jnp.arange(block_k)
       kv_mask = head_mask
       if masked:
-        kv_mask = _tiles.mask_and((k_pos < len_k)[:, None], head_mask)
-      k = _tiles.load(k_ref.at[pl.ds(k_off + k0, block_k), :], mask=kv_mask,
+        kv_mask = tiles.mask_and((k_pos < len_k)[:, None], head_mask)
+      k = tiles.load(k_ref.at[pl.ds(k_off + k0, block_k), :], mask=kv_mask,
                      other=0.0)
-      v = _tiles.load(v_ref.at[pl.ds(k_off + k0, block_k), :], mask=kv_mask,
+      v = tiles.load(v_ref.at[pl.ds(k_off + k0, block_k), :], mask=kv_mask,
                      other=0.0)
-      s = _tiles.scores_log2(
+      s = tiles.scores_log2(
           cfg, plgpu.dot(q, k, trans_b=True, precision=precision))
       p = jnp.exp2(s - lse2[:, None])
       if masked:
         k_seg = None
         if cfg.has_segments:
-          k_seg = _tiles.load(k_seg_ref.at[pl.ds(k_off + k0, block_k)],
+          k_seg = tiles.load(k_seg_ref.at[pl.ds(k_off + k0, block_k)],
                              mask=k_pos < len_k, other=-2)
-        vis = _tiles.visible(cfg, q_pos, k_pos, len_q, len_k, q_seg, k_seg)
+        vis = tiles.visible(cfg, q_pos, k_pos, len_q, len_k, q_seg, k_seg)
         p = jnp.where(vis, p, 0.0)
       dp = plgpu.dot(do, v, trans_b=True, precision=precision)
       ds = p * (dp - delta[:, None])
@@ -262,7 +262,7 @@ def _dq_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
         0, n_pre + n_post,
         lambda t, c: step(jnp.where(t < n_pre, first + t,
                                     post_first + t - n_pre), c, True), dq)
-    row_mask = _tiles.mask_and(
+    row_mask = tiles.mask_and(
         (jnp.arange(block_q) < len_q - q0)[:, None], head_mask)
     plgpu.store(dq_ref.at[rows, :], (dq * cfg.scale).astype(dq_ref.dtype),
                 mask=row_mask)
@@ -320,13 +320,13 @@ def flash_backward(q, k, v, out, lse2, do, cu_seqlens_q, cu_seqlens_k,
   # D = rowsum(dO * O) - dlse (0 outside every sequence) and, for the atomic
   # dQ, each row's grid exponent: fixed-tile Pallas reductions, so a row's
   # bits never depend on the batch or packing around it.
-  delta, grid_exp = _preprocess.backward_rows(
+  delta, grid_exp = preprocess.backward_rows(
       out, do, dlse, k, v, cu_seqlens_q, cu_seqlens_k,
       softmax_scale=cfg.scale, max_seqlen_q=max_seqlen_q,
       max_seqlen_k=max_seqlen_k, with_grid=dq_mode == "atomic",
       interpret=interpret, compiler=blocks.compiler)
   if dq_mode == "atomic":
-    inv_grid = _preprocess.pow2(DQ_GRID_BITS - grid_exp)  # 2^(29 - e)
+    inv_grid = preprocess.pow2(DQ_GRID_BITS - grid_exp)  # 2^(29 - e)
 
   def grouped(x):  # [total, heads_q, ...] -> [total, heads_kv, group, ...]
     return x.reshape(x.shape[0], heads_kv, group, *x.shape[2:])
@@ -343,7 +343,7 @@ def flash_backward(q, k, v, out, lse2, do, cu_seqlens_q, cu_seqlens_k,
   dq_acc = jnp.zeros((dq_rows, heads_kv, group, d_pad), jnp.int32)
   # Q and dO of a KV head's group stream through each of its key tiles: the
   # wave of KV heads is sized so that they stay in L2.
-  order = _tiles.launch_order(
+  order = tiles.launch_order(
       n_tiles=pl.cdiv(max_seqlen_k, block_k), num_seqs=num_seqs,
       heads=heads_kv, heads_per_wave=blocks.heads_per_wave,
       bytes_per_head=2 * group * pl.cdiv(total_q, num_seqs) * d_pad
@@ -383,7 +383,7 @@ def flash_backward(q, k, v, out, lse2, do, cu_seqlens_q, cu_seqlens_k,
   kernel = functools.partial(
       _backward_kernel, cfg=cfg, block_q=block_q, block_k=block_k,
       head_dim=head_dim, group=group, dq_mode=dq_mode, order=order)
-  params = _pip_triton.compiler_params(blocks.compiler, blocks.num_warps,
+  params = pip_triton.compiler_params(blocks.compiler, blocks.num_warps,
                                        blocks.num_stages)
   outs = pl.pallas_call(
       kernel,
@@ -399,14 +399,14 @@ def flash_backward(q, k, v, out, lse2, do, cu_seqlens_q, cu_seqlens_k,
 
   if dq_mode == "atomic":
     dq_acc, dk, dv = outs
-    grid_step = _preprocess.pow2(grid_exp - DQ_GRID_BITS)  # 2^(e - 29)
+    grid_step = preprocess.pow2(grid_exp - DQ_GRID_BITS)  # 2^(e - 29)
     dq = dq_acc[:total_q, :, :, :head_dim].reshape(total_q, heads_q, head_dim)
     dq = (dq.astype(jnp.float32) * grid_step.T[:, :, None]).astype(q.dtype)
   else:
     dk, dv = outs
     dqb = dq_blocks if dq_blocks is not None else blocks.dq_blocks
     # K and V stream through every query tile, as in the forward.
-    dq_order = _tiles.query_tile_order(
+    dq_order = tiles.query_tile_order(
         k, d_pad, n_tiles=pl.cdiv(max_seqlen_q, dqb.block_q),
         num_seqs=num_seqs, heads_q=heads_q,
         heads_per_wave=dqb.heads_per_wave)
@@ -426,7 +426,7 @@ def flash_backward(q, k, v, out, lse2, do, cu_seqlens_q, cu_seqlens_k,
                   rows_spec, *seg_specs],
         out_specs=head_spec,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        compiler_params=_pip_triton.compiler_params(
+        compiler_params=pip_triton.compiler_params(
             dqb.compiler, dqb.num_warps, dqb.num_stages),
         interpret=interpret,
         name="fold_flash_backward_dq",

@@ -9,23 +9,22 @@ gives the same bits alone, in a padded batch, or packed with others.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import json
-import os
 from typing import Literal
 
 import jax.numpy as jnp
 
+from pallas_kernels import settings
+
 Mode = Literal["fwd", "bwd", "bwd_atomic", "bwd_dq"]
-DqMode = Literal["atomic", "recompute"]
+DqMode = settings.DqMode
 
 # How dQ is reduced (both bitwise deterministic): "recompute" runs a second
 # kernel that owns each query tile; "atomic" adds integer-grid partials from
 # the dK/dV kernel. Measured on the H200 (benchmarks/results/h200): recompute
 # 4.7 ms vs atomic 7.1 ms for the B2 H16 S8192 D128 causal backward.
-DEFAULT_DQ_MODE: DqMode = "recompute"
+DEFAULT_DQ_MODE: DqMode = settings.DEFAULT_DQ_MODE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,11 +38,11 @@ class BlockSizes:
     dK/dV kernel's.
   compiler: what turns the kernel's Triton IR into GPU code: "xla" (XLA's
     built-in Triton, what `jax.jit` does for any Pallas kernel) or "triton"
-    (pip Triton, `pallas_kernels._pip_triton`). A field, not a global: the
+    (pip Triton, `pallas_kernels.pip_triton`). A field, not a global: the
     blocks are static arguments of the jitted and custom_vjp functions, so
     the compiler is part of every trace's cache key.
   heads_per_wave: the most heads of the launch order's wave
-    (`pallas_kernels.flash._tiles.LaunchOrder`); 0 (the default) sizes it
+    (`pallas_kernels.flash.tiles.LaunchOrder`); 0 (the default) sizes it
     to L2 from the shapes. The order never changes the bits.
   """
 
@@ -62,7 +61,7 @@ class BlockSizes:
         raise ValueError(f"{name} must be a power of two >= 16; got {b}.")
     if isinstance(self.dq, dict):  # from a JSON override table
       object.__setattr__(self, "dq", BlockSizes(**self.dq))
-    from pallas_kernels.flash._tiles import check_heads_per_wave
+    from pallas_kernels.flash.tiles import check_heads_per_wave
     check_heads_per_wave(self.heads_per_wave)
     if self.compiler not in ("xla", "triton"):
       raise ValueError("compiler must be 'xla' or 'triton'; got "
@@ -86,7 +85,7 @@ class BlockSizes:
 
 
 # (compute capability major, head_dim bucket, itemsize, mode) -> BlockSizes.
-# Measured on the H200 (sm_90) with benchmarks/kernel_probe.py; the
+# Measured on the H200 (sm_90) with a tile probe (benchmarks/kernel_probe.py, in git history); the
 # FOLDAX_BLOCK_TABLE override file takes the same keys. Mode "bwd_dq" is the
 # recompute backward's dQ kernel; without an entry it uses the "bwd" blocks.
 _TABLE: dict[tuple[int, int, int, str], BlockSizes] = {
@@ -113,7 +112,7 @@ _TABLE: dict[tuple[int, int, int, str], BlockSizes] = {
     (9, 256, 4, "bwd_atomic"): BlockSizes(16, 32, 4, 1),
 }
 # Entries for kernels compiled by the pip `triton` package instead of XLA's
-# built-in Triton (`pallas_kernels._pip_triton`). The same Triton IR gets
+# built-in Triton (`pallas_kernels.pip_triton`). The same Triton IR gets
 # different code from the two compilers. Measured on the H200 (B2 H16 S8192
 # D128 causal bf16): the forward at 128x128 tiles, 8 warps, 3 stages runs
 # 1.27 ms compiled by pip Triton against 1.65 ms by XLA, whose best tile
@@ -128,54 +127,16 @@ _TRITON_TABLE: dict[tuple[int, int, int, str], BlockSizes] = {
     (9, 64, 2, "fwd"): BlockSizes(128, 64, 8, 3, compiler="triton"),
 }
 Compiler = Literal["xla", "triton"]
-# FOLDAX_KERNEL_COMPILER when nothing else says: "auto" takes a kernel's
-# pip-Triton entry where one exists and pip Triton with jaxlib's Triton
-# call is there, else XLA; "xla" / "triton" use that compiler for every
-# kernel (with the other's tiles where it has no entry of its own).
-DEFAULT_COMPILER = "auto"
-_compiler: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "foldax_kernel_compiler", default=None)
-
-
-@contextlib.contextmanager
-def compiled_by(compiler: Compiler):
-  """Block sizes looked up inside this context are for kernels compiled by
-  `compiler` ("xla" or "triton", see BlockSizes.compiler), whatever
-  FOLDAX_KERNEL_COMPILER says. The torch bridge's direct launch, which
-  compiles every kernel with pip Triton itself, looks its blocks up inside
-  compiled_by("triton")."""
-  if compiler not in ("xla", "triton"):
-    raise ValueError(f"compiler must be 'xla' or 'triton'; got {compiler!r}.")
-  token = _compiler.set(compiler)
-  try:
-    yield
-  finally:
-    _compiler.reset(token)
-
-
-def compiled_by_context() -> str | None:
-  """The compiler of an enclosing `compiled_by`, else None (the kernels
-  whose only GPU path is XLA's, such as DeBERTa's through JAX, follow
-  `compiled_by` alone, not FOLDAX_KERNEL_COMPILER)."""
-  return _compiler.get()
-
-
-def compiler_setting() -> str:
-  """"xla", "triton" or "auto": `compiled_by`'s, else
-  FOLDAX_KERNEL_COMPILER's (default DEFAULT_COMPILER)."""
-  c = _compiler.get()
-  if c is not None:
-    return c
-  c = os.environ.get("FOLDAX_KERNEL_COMPILER", DEFAULT_COMPILER)
-  if c not in ("xla", "triton", "auto"):
-    raise ValueError("FOLDAX_KERNEL_COMPILER must be 'xla', 'triton' or "
-                     f"'auto'; got {c!r}.")
-  return c
+# What compiles a kernel when nothing else says (see settings.KernelSettings).
+DEFAULT_COMPILER = settings.DEFAULT_COMPILER
+compiled_by = settings.compiled_by
+compiled_by_context = settings.compiled_by_context
+compiler_setting = settings.compiler_setting
 
 
 def _pip_triton_ready() -> bool:
-  from pallas_kernels import _pip_triton
-  return _pip_triton.auto_ready() is None
+  from pallas_kernels import pip_triton
+  return pip_triton.auto_ready() is None
 
 
 # Ampere and others: smaller shared memory than Hopper.
@@ -201,7 +162,7 @@ def head_dim_bucket(head_dim: int) -> int:
 
 
 def _override_table() -> dict:
-  path = os.environ.get("FOLDAX_BLOCK_TABLE")
+  path = settings.current().block_table
   if not path:
     return {}
   with open(path) as f:
@@ -267,9 +228,5 @@ def _lookup_or_fallback(override, major, d, itemsize, mode, use_triton):
 
 
 def dq_mode() -> DqMode:
-  """The dQ reduction in use: FOLDAX_DQ_MODE if set, else the default."""
-  mode = os.environ.get("FOLDAX_DQ_MODE", DEFAULT_DQ_MODE)
-  if mode not in ("atomic", "recompute"):
-    raise ValueError(f"FOLDAX_DQ_MODE must be 'atomic' or 'recompute'; got "
-                     f"{mode!r}.")
-  return mode  # type: ignore[return-value]
+  """The dQ reduction of the current settings (see settings.KernelSettings)."""
+  return settings.current().dq_mode

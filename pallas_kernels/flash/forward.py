@@ -16,7 +16,7 @@ Outputs:
     sees no key and has no sink (so the backward's exp2(s - lse2) is 0 there).
 
 Programs: one per (query tile of the longest sequence, sequence, query
-head), launched in `_tiles.LaunchOrder` (waves of heads, costliest tiles
+head), launched in `tiles.LaunchOrder` (waves of heads, costliest tiles
 first). Each program
 owns one query tile of one head and walks the key tiles its rows can see:
 first the unmasked band interior, then the masked edges; tiles no row can
@@ -36,9 +36,9 @@ from jax.experimental.pallas import triton as plgpu
 # changes a jit cache key and recompiles the first call a second time.
 import jax.experimental.pallas.fuser  # noqa: F401
 
-from pallas_kernels import _pip_triton
-from pallas_kernels.flash import _tiles
-from pallas_kernels.flash._tiles import LOG2E, MaskConfig
+from pallas_kernels import pip_triton
+from pallas_kernels.flash import tiles
+from pallas_kernels.flash.tiles import LOG2E, MaskConfig
 from pallas_kernels.flash.config import BlockSizes, head_dim_bucket
 
 
@@ -65,7 +65,7 @@ def _folded_scale(cfg: MaskConfig):
 
 def _forward_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, *refs,
                     cfg: MaskConfig, block_q: int, block_k: int, head_dim: int,
-                    has_sinks: bool, order: _tiles.LaunchOrder):
+                    has_sinks: bool, order: tiles.LaunchOrder):
   refs = list(refs)
   q_seg_ref = k_seg_ref = sinks_ref = None
   if cfg.has_segments:
@@ -87,27 +87,27 @@ def _forward_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, *refs,
 
   @pl.when(q0 < len_q)
   def _():
-    head_mask = _tiles.head_dim_mask(head_dim, d_pad)
+    head_mask = tiles.head_dim_mask(head_dim, d_pad)
     q_pos = q0 + jnp.arange(block_q)
     # min() is the identity here (q0 < len_q), but it keeps the q tile's
     # addresses and row mask distinct from the output store's: identical
     # expressions are CSE'd into one [block_q, d_pad] offset tensor and mask
     # kept live across both key loops (at 4 warps that spilled in the loop).
     q_start = jnp.minimum(q_off + q0, q_ref.shape[0] - 1)
-    q = _tiles.load(q_ref.at[pl.ds(q_start, block_q), :],
-                    mask=_tiles.mask_and((q_pos < len_q)[:, None], head_mask),
+    q = tiles.load(q_ref.at[pl.ds(q_start, block_q), :],
+                    mask=tiles.mask_and((q_pos < len_q)[:, None], head_mask),
                     other=0.0)
     q_seg = None
     if cfg.has_segments:
-      q_seg = _tiles.load(q_seg_ref.at[pl.ds(q_off + q0, block_q)],
+      q_seg = tiles.load(q_seg_ref.at[pl.ds(q_off + q0, block_q)],
                          mask=q_pos < len_q, other=-1)
 
-    lo, hi = _tiles.key_range(cfg, q0, block_q, len_q, len_k)
-    ulo, uhi = _tiles.unmasked_key_range(cfg, q0, block_q, len_q, len_k,
+    lo, hi = tiles.key_range(cfg, q0, block_q, len_q, len_k)
+    ulo, uhi = tiles.unmasked_key_range(cfg, q0, block_q, len_q, len_k,
                                          keys_in_bounds=True)
     if cfg.has_segments:  # segments can cut any tile: mask them all
       ulo, uhi = hi, hi
-    first, n_pre, full_first, n_full, post_first, n_post = _tiles.block_split(
+    first, n_pre, full_first, n_full, post_first, n_post = tiles.block_split(
         lo, hi, ulo, uhi, block_k)
     fold = _folded_scale(cfg)
 
@@ -117,19 +117,19 @@ def _forward_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, *refs,
       k_pos = k0 + jnp.arange(block_k)
       kv_mask = head_mask
       if masked:
-        kv_mask = _tiles.mask_and((k_pos < len_k)[:, None], head_mask)
-      k = _tiles.load(k_ref.at[pl.ds(k_off + k0, block_k), :], mask=kv_mask,
+        kv_mask = tiles.mask_and((k_pos < len_k)[:, None], head_mask)
+      k = tiles.load(k_ref.at[pl.ds(k_off + k0, block_k), :], mask=kv_mask,
                      other=0.0)
       qk = plgpu.dot(q, k, trans_b=True, precision=precision)
       # s: raw products when the base-2 scale is folded (see _folded_scale),
       # else scores already in the base-2 domain.
-      s = qk if fold is not None else _tiles.scores_log2(cfg, qk)
+      s = qk if fold is not None else tiles.scores_log2(cfg, qk)
       if masked:
         k_seg = None
         if cfg.has_segments:
-          k_seg = _tiles.load(k_seg_ref.at[pl.ds(k_off + k0, block_k)],
+          k_seg = tiles.load(k_seg_ref.at[pl.ds(k_off + k0, block_k)],
                              mask=k_pos < len_k, other=-2)
-        vis = _tiles.visible(cfg, q_pos, k_pos, len_q, len_k, q_seg, k_seg)
+        vis = tiles.visible(cfg, q_pos, k_pos, len_q, len_k, q_seg, k_seg)
         s = jnp.where(vis, s, -jnp.inf)
       row_max = jnp.max(s, axis=1)
       if fold is not None:
@@ -145,7 +145,7 @@ def _forward_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, *refs,
       else:
         p = jnp.exp2(s - m_next_safe[:, None])
       l_next = l_prev * alpha + jnp.sum(p, axis=1)
-      v = _tiles.load(v_ref.at[pl.ds(k_off + k0, block_k), :], mask=kv_mask,
+      v = tiles.load(v_ref.at[pl.ds(k_off + k0, block_k), :], mask=kv_mask,
                      other=0.0)
       acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v,
                                              precision=precision)
@@ -174,7 +174,7 @@ def _forward_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, *refs,
     q_valid = jnp.arange(block_q) < len_q - q0  # not q_pos < len_q: see q
     plgpu.store(o_ref.at[pl.ds(q_off + q0, block_q), :],
                 out.astype(o_ref.dtype),
-                mask=_tiles.mask_and(q_valid[:, None], head_mask))
+                mask=tiles.mask_and(q_valid[:, None], head_mask))
     plgpu.store(lse_ref.at[pl.ds(q_off + q0, block_q)], lse2, mask=q_valid)
 
 
@@ -193,7 +193,7 @@ def flash_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, q_segment_ids=None,
   d_pad = head_dim_bucket(head_dim)
   block_q, block_k = blocks.block_q, blocks.block_k
 
-  order = _tiles.query_tile_order(
+  order = tiles.query_tile_order(
       k, d_pad, n_tiles=pl.cdiv(max_seqlen_q, block_q), num_seqs=num_seqs,
       heads_q=heads_q, heads_per_wave=blocks.heads_per_wave)
   head_of = order.head
@@ -229,7 +229,7 @@ def flash_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, q_segment_ids=None,
           jax.ShapeDtypeStruct(q.shape, q.dtype),
           jax.ShapeDtypeStruct((heads_q, total_q), jnp.float32),
       ],
-      compiler_params=_pip_triton.compiler_params(
+      compiler_params=pip_triton.compiler_params(
           blocks.compiler, blocks.num_warps, blocks.num_stages),
       interpret=interpret,
       name="fold_flash_forward",

@@ -28,14 +28,30 @@ def gather_pages(pages, block_table):
   return g.reshape(b, n * p, h, d)
 
 
+def dequantised_pages(pages, scales):
+  """float32 pages: FP8 entries [num_pages, page, h, d] times their float32
+  scale [num_pages, h]."""
+  return (jnp.asarray(pages).astype(jnp.float32) *
+          jnp.asarray(scales, jnp.float32)[:, None, :, None])
+
+
 def paged_decode_reference(q, k_pages, v_pages, block_table, lengths, *,
                            softmax_scale=None, window_size=(-1, -1),
-                           sinks=None, softcap: float = 0.0):
+                           sinks=None, softcap: float = 0.0, k_scales=None,
+                           v_scales=None):
   """Float32 decode attention of one query token per sequence.
+
+  k_scales, v_scales: optional float32 [num_pages, heads_kv]: the pools hold
+  FP8 entries that decode as entry * scale of their (page, head); the
+  reference attends over those dequantised values.
 
   Returns:
     out: [batch, heads_q, head_dim] float32; lse: [batch, heads_q] float32.
   """
+  if k_scales is not None:
+    k_pages = dequantised_pages(k_pages, k_scales)
+  if v_scales is not None:
+    v_pages = dequantised_pages(v_pages, v_scales)
   k = gather_pages(k_pages, block_table)
   v = gather_pages(v_pages, block_table)
   b, t = k.shape[:2]

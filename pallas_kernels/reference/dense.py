@@ -29,7 +29,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._varlen import token_seq_ids
+from pallas_kernels.varlen import token_seq_ids
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 

@@ -33,9 +33,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import _varlen
-from pallas_kernels import _pip_triton
-from pallas_kernels.flash import _tiles
+from pallas_kernels import varlen
+from pallas_kernels import pip_triton
+from pallas_kernels.flash import tiles
 from pallas_kernels.flash.config import head_dim_bucket
 
 DQ_GRID_BITS = 29  # partial sums stay below 2^29: 4x headroom in int32
@@ -52,8 +52,9 @@ def preprocess_rows(d_pad: int, interpret: bool) -> int:
   return max(16, min(64, 8192 // d_pad))
 
 
-def _params(d_pad: int, compiler: str = "xla"):
-  return _pip_triton.compiler_params(compiler, 4 if d_pad <= 128 else 8, 1)
+def launch_params(d_pad: int, compiler: str = "xla"):
+  """Compiler params of the preprocess kernels for head dim `d_pad`."""
+  return pip_triton.compiler_params(compiler, 4 if d_pad <= 128 else 8, 1)
 
 
 def _exponent(bound):
@@ -89,14 +90,14 @@ def _query_kernel(cu_q_ref, o_ref, do_ref, *refs, block: int, head_dim: int,
 
   @pl.when(q0 < len_q)
   def _():
-    valid, rows, mask = _tiles.row_tile(q_off, q0, len_q, block, head_dim,
+    valid, rows, mask = tiles.row_tile(q_off, q0, len_q, block, head_dim,
                                         d_pad)
-    o = _tiles.load(o_ref.at[rows, :], mask=mask, other=0.0)
-    do = _tiles.load(do_ref.at[rows, :], mask=mask, other=0.0)
+    o = tiles.load(o_ref.at[rows, :], mask=mask, other=0.0)
+    do = tiles.load(do_ref.at[rows, :], mask=mask, other=0.0)
     do = do.astype(jnp.float32)
     delta = jnp.sum(do * o.astype(jnp.float32), axis=1)
     if has_dlse:
-      delta = delta - _tiles.load(dlse_ref.at[rows], mask=valid, other=0.0)
+      delta = delta - tiles.load(dlse_ref.at[rows], mask=valid, other=0.0)
     plgpu.store(delta_ref.at[rows], delta, mask=valid)
     if with_grid:
       # |dQ_i[d]| <= scale * max|K_s| * (||dO_i|| max_j ||V_j|| + |D_i|).
@@ -117,9 +118,9 @@ def _key_norm_kernel(cu_k_ref, v_ref, _, norm_ref, *, block: int,
 
   @pl.when(k0 < len_k)
   def _():
-    valid, rows, mask = _tiles.row_tile(k_off, k0, len_k, block, head_dim,
+    valid, rows, mask = tiles.row_tile(k_off, k0, len_k, block, head_dim,
                                         d_pad)
-    v = _tiles.load(v_ref.at[rows, :], mask=mask, other=0.0)
+    v = tiles.load(v_ref.at[rows, :], mask=mask, other=0.0)
     v = v.astype(jnp.float32)
     plgpu.store(norm_ref.at[rows], jnp.sqrt(jnp.sum(v * v, axis=1)),
                 mask=valid)
@@ -129,7 +130,7 @@ def token_sequence_ids(cu_seqlens, total: int):
   """int32 [total]: the sequence of each packed token; num_seqs for tokens
   past cu_seqlens[-1] (they belong to no sequence)."""
   t = jnp.arange(total, dtype=jnp.int32)
-  seq = _varlen.token_seq_ids(cu_seqlens, total)
+  seq = varlen.token_seq_ids(cu_seqlens, total)
   return jnp.where(t < cu_seqlens[-1], seq, cu_seqlens.shape[0] - 1)
 
 
@@ -157,7 +158,7 @@ def backward_rows(out, do, dlse, k, v, cu_seqlens_q, cu_seqlens_k, *,
   block = preprocess_rows(d_pad, interpret)
   row_spec = pl.BlockSpec((None, total_q), lambda i, s, h: (h, 0))
   tok_q = pl.BlockSpec((total_q, None, d_pad), lambda i, s, h: (0, h, 0))
-  in_specs = [_tiles.full_spec(cu_seqlens_q.shape), tok_q, tok_q]
+  in_specs = [tiles.full_spec(cu_seqlens_q.shape), tok_q, tok_q]
   args = [cu_seqlens_q, out, do]
   if dlse is not None:
     in_specs.append(row_spec)
@@ -172,18 +173,18 @@ def backward_rows(out, do, dlse, k, v, cu_seqlens_q, cu_seqlens_k, *,
     v_norm = pl.pallas_call(
         functools.partial(_key_norm_kernel, block=block, head_dim=head_dim),
         grid=(pl.cdiv(max_seqlen_k, block), num_seqs, heads_kv),
-        in_specs=[_tiles.full_spec(cu_seqlens_k.shape), tok_k, krow_spec],
+        in_specs=[tiles.full_spec(cu_seqlens_k.shape), tok_k, krow_spec],
         out_specs=krow_spec,
         out_shape=jax.ShapeDtypeStruct((heads_kv, total_k), jnp.float32),
         input_output_aliases={2: 0},
-        compiler_params=_params(d_pad, compiler),
+        compiler_params=launch_params(d_pad, compiler),
         interpret=interpret,
         name="fold_flash_backward_key_norms",
     )(cu_seqlens_k, v, jnp.zeros((heads_kv, total_k), jnp.float32))
     k_abs_max = jnp.max(jnp.abs(k.astype(jnp.float32)), axis=-1)  # [tk, hkv]
     k_max = _segment_max(k_abs_max, k_seq, num_seqs)  # [num_seqs, hkv]
     v_max = _segment_max(v_norm.T, k_seq, num_seqs)
-    in_specs += [_tiles.full_spec(k_max.shape), _tiles.full_spec(v_max.shape)]
+    in_specs += [tiles.full_spec(k_max.shape), tiles.full_spec(v_max.shape)]
     args += [k_max, v_max]
   out_shape = [jax.ShapeDtypeStruct((heads_q, total_q), jnp.float32)]
   if with_grid:
@@ -201,7 +202,7 @@ def backward_rows(out, do, dlse, k, v, cu_seqlens_q, cu_seqlens_k, *,
       out_specs=[row_spec] * len(out_shape),
       out_shape=out_shape,
       input_output_aliases={n_in + i: i for i in range(len(out_shape))},
-      compiler_params=_params(d_pad, compiler),
+      compiler_params=launch_params(d_pad, compiler),
       interpret=interpret,
       name="fold_flash_backward_preprocess",
   )(*args)

@@ -38,7 +38,7 @@ import zlib
 
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import _triton_ir
+from pallas_kernels import compat, settings, triton_ir
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,10 +87,9 @@ def available() -> str | None:
     from triton.backends.compiler import GPUTarget  # noqa: F401
   except Exception as e:  # noqa: BLE001
     return f"pip triton is not importable ({type(e).__name__}: {e})"
-  try:
-    from jax._src.lib import gpu_triton
-  except Exception as e:  # noqa: BLE001
-    return f"jaxlib's gpu_triton is missing ({type(e).__name__}: {e})"
+  gpu_triton = compat.gpu_triton
+  if gpu_triton is None:
+    return f"jaxlib's gpu_triton is missing ({compat.GPU_TRITON_ERROR})"
   if not hasattr(gpu_triton, "TritonKernel"):
     return "jaxlib has no CUDA Triton call (no CUDA plugin)"
   return None
@@ -178,7 +177,7 @@ def kernel_call_opaque(compiled, num_warps: int, grid: tuple[int, int, int],
   first, so the serialised call gets one more `kernel_call.kernel` carrying
   only the module image: jaxlib then loads that cubin instead of compiling
   the PTX with its own ptxas."""
-  from jax._src.lib import gpu_triton
+  gpu_triton = compat.gpu_triton
   md = compiled.metadata
   scratch = []
   if getattr(md, "global_scratch_size", 0):
@@ -201,10 +200,10 @@ def _lowering(ctx, *in_nodes, jaxpr, grid_mapping, compiler_params,
               input_output_aliases, debug, **params):
   """Pallas' GPU lowering rule for `PipTritonCompilerParams` kernels."""
   import jax
-  from jax._src.interpreters import mlir
-  from jax._src.pallas.triton import gpu_info as gpu_info_lib
-  from jax._src.pallas.triton import lowering
-  from jax._src.pallas.triton import pallas_call_registration as pallas_rule
+  mlir = compat.mlir
+  gpu_info_lib = compat.triton_gpu_info
+  lowering = compat.triton_lowering
+  pallas_rule = compat.triton_pallas_call
 
   def pallas_own_rule():  # XLA compiles the same IR
     return pallas_rule.pallas_call_lowering(
@@ -212,7 +211,7 @@ def _lowering(ctx, *in_nodes, jaxpr, grid_mapping, compiler_params,
         compiler_params=compiler_params,
         input_output_aliases=input_output_aliases, debug=debug, **params)
 
-  if _triton_ir.capturing():
+  if triton_ir.capturing():
     # Lowered only to capture the IR (no GPU needed).
     return pallas_own_rule()
   why = available()
@@ -229,7 +228,7 @@ def _lowering(ctx, *in_nodes, jaxpr, grid_mapping, compiler_params,
       jaxpr, grid_mapping, "cuda", cc or None, mlir_ctx=ctx.module_context)
   ttir = result.module.operation.get_asm(enable_debug_info=False)
   n_buffers = len(in_nodes) + len(ctx.avals_out)
-  got = _triton_ir.pointer_count(ttir)
+  got = triton_ir.pointer_count(ttir)
   if got != n_buffers:
     raise RuntimeError(f"pip-Triton lowering: {name} takes {got} pointers, "
                        f"the call has {n_buffers} buffers")
@@ -239,8 +238,7 @@ def _lowering(ctx, *in_nodes, jaxpr, grid_mapping, compiler_params,
   try:
     compiled = compile_ttir(name, ttir, num_warps, num_stages, cc_pair)
   except Exception as e:  # noqa: BLE001
-    from pallas_kernels.flash.config import compiler_setting
-    if compiler_setting() != "auto":
+    if settings.compiler_setting() != "auto":
       raise
     # Asked for "auto": say so once, and let XLA compile this kernel.
     _warn_once(f"pallas_kernels: pip Triton could not compile {name} "
@@ -268,9 +266,8 @@ def _warn_once(msg: str) -> None:
 
 @functools.cache
 def _register() -> None:
-  from jax._src.pallas import core as pallas_core
-  # Pallas registers its own rules on first lowering; importing the module
-  # now keeps its registration from racing ours (ours is for our type only).
-  from jax._src.pallas.triton import pallas_call_registration  # noqa: F401
-  pallas_core.register_lowering_rule(PipTritonCompilerParams, _lowering,
+  # Pallas registers its own rules on first lowering; `compat` imported its
+  # module already, so that registration cannot race ours (ours is for our
+  # type only).
+  compat.pallas_core.register_lowering_rule(PipTritonCompilerParams, _lowering,
                                      "gpu")

@@ -1,11 +1,11 @@
 """Per-call overhead of the bridge: bridge time minus the JAX call alone.
 
-    python -m torch_bridge.bench                # B1 H16 S128 D128 and S4096
-    python -m torch_bridge.bench --seq 128 --iters 500 --dtype bfloat16
-    python -m torch_bridge.bench --seq 128 --phases   # + fwd+bwd breakdown
-    python -m torch_bridge.bench --seq 4096 --pipeline  # which step blocks
-    python -m torch_bridge.bench --seq 128 --direct-phases  # direct launch
-    python -m torch_bridge.bench --seq 128 4096 --graphs  # in CUDA graphs
+    python -m benchmarks.bridge_calls                # B1 H16 S128 D128 and S4096
+    python -m benchmarks.bridge_calls --seq 128 --iters 500 --dtype bfloat16
+    python -m benchmarks.bridge_calls --seq 128 --phases   # + fwd+bwd breakdown
+    python -m benchmarks.bridge_calls --seq 4096 --pipeline  # which step blocks
+    python -m benchmarks.bridge_calls --seq 128 --direct-phases  # direct launch
+    python -m benchmarks.bridge_calls --seq 128 4096 --graphs  # in CUDA graphs
 
 "JAX alone" calls the very jitted function the bridge calls, on JAX arrays
 that already live on the device (what a JAX user pays); "bridge" calls

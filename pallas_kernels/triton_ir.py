@@ -3,7 +3,7 @@
 Used by the torch bridge's direct launch (`torch_bridge._direct`, which
 compiles the IR with pip Triton) and by the benchmarks that compare
 compilers or count instructions (`benchmarks.triton_compare`,
-`benchmarks.kernel_probe --ir-stats`).
+the tile probe, since removed: see git history).
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ def capture_triton_ir(fn, args) -> list:
   Lowering for CUDA asks Pallas for the GPU's description: on a machine
   without one, stub `pallas_call_registration.gpu_info_lib.get_gpu_info`.
   """
-  from jax._src.pallas.triton import lowering
-  from jax._src.pallas.triton.pallas_call_registration import normalize_grid
+  from pallas_kernels import compat
+  lowering = compat.triton_lowering
+  normalize_grid = compat.triton_pallas_call.normalize_grid
   got = []
   orig = lowering.lower_jaxpr_to_triton_module
 

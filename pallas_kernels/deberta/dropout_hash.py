@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels._varlen import token_seq_ids_clipped
+from pallas_kernels.varlen import token_seq_ids_clipped
 
 _M1 = np.uint32(0x85EBCA6B)
 _M2 = np.uint32(0xC2B2AE35)
