@@ -52,4 +52,6 @@ def sharded_attention(q, k, v, *, mesh: Mesh, seq_axis="context",
       body, mesh=mesh,
       in_specs=(spec, spec, spec, None if segment_ids is None else seg_spec,
                 None if sinks is None else P(head_axis)),
-      out_specs=spec, check_vma=False)(q, k, v, segment_ids, sinks)
+      out_specs=((spec, P(batch_axis, head_axis, seq_axis))
+                 if kw.get("return_lse") else spec),
+      check_vma=False)(q, k, v, segment_ids, sinks)

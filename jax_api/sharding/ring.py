@@ -1,9 +1,11 @@
 """Ring attention inside `shard_map`, bitwise identical across device counts.
 
 Call on local sequence shards (q, k, v: [batch, seq_local, heads, head_dim])
-inside `jax.shard_map` over a mesh axis `axis_name` of n devices. K/V travel
-round the ring with `jax.lax.ppermute` (the next transfer is issued before
-the current block's compute, so XLA can overlap them).
+inside `jax.shard_map(..., check_vma=False)` over a mesh axis `axis_name` of
+n devices. K/V travel round the ring with `jax.lax.ppermute` (the next
+transfer is issued before the current block's compute, so XLA can overlap
+them). Differentiable (`jax.custom_vjp`): the backward sends K/V and their
+dK/dV accumulators round the ring the other way.
 
 Bitwise identity (1, 2, 4, 8 devices give the same bits):
   * blocks are fixed in absolute token positions: queries and keys are cut
@@ -31,6 +33,7 @@ import jax.numpy as jnp
 from jax_api import _backend
 from jax_api.sharding import _grid
 from jax_api.sharding.zigzag import local_positions
+from pallas_kernels.flash import xla
 from pallas_kernels.reference.dense import MaskSpec, visibility
 
 __all__ = ["ring_attention"]
@@ -48,6 +51,7 @@ class _Cfg(NamedTuple):
   scale: float
   block: int
   seq: int  # global sequence length
+  xla: xla.XlaConfig  # per-pair scores/mask/backward of the dense XLA path
 
 
 def _dot(spec, a, b):
@@ -65,22 +69,22 @@ def _unblocks(x):
 
 
 def _pair(cfg, qb, qp, qs, kb, kp, ks):
-  """Scores of one (query block, key block) pair.
+  """Scores of one (query block, key block) pair, by the dense XLA path's
+  own `scores`/`mask` (`pallas_kernels.flash.xla`).
 
   qb [b, B, hkv, g, d]; kb [b, B, hkv, d]; qp/kp [B] positions; qs/ks [b, B]
   segments -> (s [b, hkv, g, B, B] masked -inf, vis, tanh term or None)."""
-  s = _dot("bqhgd,bkhd->bhgqk", qb, kb) * cfg.scale
-  t = None
-  if cfg.softcap > 0.0:
-    t = jnp.tanh(s / cfg.softcap)
-    s = cfg.softcap * t
-  b = qs.shape[0]
-  length = jnp.full((b, cfg.block), cfg.seq, jnp.int32)
-  qspec = MaskSpec(qs, jnp.broadcast_to(qp, (b, cfg.block)), length)
-  kspec = MaskSpec(ks, jnp.broadcast_to(kp, (b, cfg.block)), length)
-  vis = visibility(qspec, kspec, causal=cfg.causal,
-                   window_size=cfg.window)[:, None, None]
+  s, t = cfg.xla.scores(qb, kb)
+  vis = cfg.xla.mask(_spec(cfg, qp, qs), _spec(cfg, kp, ks))
   return jnp.where(vis, s, -jnp.inf), vis, t
+
+
+def _spec(cfg, pos, seg):
+  """MaskSpec of one block: absolute positions in one sequence of the
+  global length (segments split it further)."""
+  b = seg.shape[0]
+  return MaskSpec(seg, jnp.broadcast_to(pos, (b, cfg.block)),
+                  jnp.full((b, cfg.block), cfg.seq, jnp.int32))
 
 
 def _ring_step(cfg, x, direction):
@@ -171,6 +175,112 @@ def _forward(cfg, q, k, v, qpos, qseg, sinks):
   return out.astype(q.dtype), lse
 
 
+def _backward(cfg, q, k, v, qpos, qseg, sinks, out, lse, dout, dlse):
+  """(dq, dk, dv, dsinks) of `_forward`, the same bits on any device count.
+
+  K/V go round the ring the other way from the forward (direction -1),
+  each shard's dK/dV grid accumulators travelling with it, so after n steps
+  they are back on the owner. Every (query block, key block) pair runs the
+  dense XLA path's backward (`xla.backward`: P from the saved global lse,
+  dS = P (dP - D)); its dq/dk/dv partials are added on the integer grid
+  with units fixed from exact global maxima, so neither the ring's arrival
+  order nor the device count changes a bit. Rows that see no key have
+  P = 0 in every pair: their gradients are exactly 0."""
+  b, L, hq, d = q.shape
+  hkv = k.shape[2]
+  g, B, ax = hq // hkv, cfg.block, cfg.axis_name
+  dlse = jnp.where(jnp.isfinite(dlse), dlse, 0.0).astype(_F32)
+
+  def gmax(x):
+    return jax.lax.pmax(jnp.max(jnp.abs(x.astype(_F32))), ax)
+  m_do, m_v, m_dl = gmax(dout), gmax(v), gmax(dlse)
+  # |dP| <= d |dO| |V|, |D| <= d |dO| |V| + |dlse| (|out| <= max |V|).
+  m_delta = d * m_do * m_v + m_dl
+  m_ds = abs(cfg.scale) * (d * m_do * m_v + m_delta)
+  e_dq = _grid.unit_exponent(B * m_ds * gmax(k))
+  e_dk = _grid.unit_exponent(B * g * m_ds * gmax(q))
+  e_dv = _grid.unit_exponent(B * g * m_do)
+
+  def rows(x):  # [b, hq, L] -> [nq, b, B, hq]
+    return _blocks(jnp.moveaxis(x, 2, 1), B)
+  qB, oB, doB = (_blocks(x.astype(_F32), B) for x in (q, out, dout))
+  lB, dlB = rows(lse), rows(dlse)
+  qpB, qsB = qpos.reshape(-1, B), _blocks(qseg, B)
+  k_dtype, v_dtype = k.dtype, v.dtype
+  k, v = k.astype(_F32), v.astype(_F32)
+
+  def pair(qi, kj):
+    qb, ob, dob, lb, dlb, qp, qs = qi
+    kb, vb, kp, ks = kj
+    qspec, kspec = _spec(cfg, qp, qs), _spec(cfg, kp, ks)
+    vis = visibility(qspec, kspec, causal=cfg.causal,
+                     window_size=cfg.window)
+
+    def run(_):
+      return xla.backward(cfg.xla, qb, kb, vb, qspec, kspec, None, ob,
+                          jnp.moveaxis(lb, 1, 2), dob,
+                          jnp.moveaxis(dlb, 1, 2))[:3]
+
+    def skip(_):  # a fully masked pair adds exact zeros
+      return jnp.zeros_like(qb), jnp.zeros_like(kb), jnp.zeros_like(vb)
+    return jax.lax.cond(jnp.any(vis), run, skip, None)
+
+  def over_keys(dq_acc, kv):
+    kB, vB = _blocks(kv[0], B), _blocks(kv[1], B)
+    kpB, ksB = kv[2].reshape(-1, B), _blocks(kv[3], B)
+
+    def per_k(dq_acc, kj):
+      def per_q(c, xs):
+        dq_ij, dk_ij, dv_ij = pair(xs[:-1], kj)
+        return ((_grid.add(c[0], _grid.to_grid(dk_ij, e_dk)),
+                 _grid.add(c[1], _grid.to_grid(dv_ij, e_dv))),
+                _grid.add(xs[-1], _grid.to_grid(dq_ij, e_dq)))
+      z = _grid.zeros(kj[0].shape)
+      (dk_j, dv_j), dq_acc = jax.lax.scan(
+          per_q, (z, z), (qB, oB, doB, lB, dlB, qpB, qsB, dq_acc))
+      return dq_acc, (dk_j, dv_j)
+    dq_acc, (dk_s, dv_s) = jax.lax.scan(per_k, dq_acc, (kB, vB, kpB, ksB))
+    return dq_acc, _unblocks(dk_s), _unblocks(dv_s)
+
+  def step(carry, _):
+    dq_acc, kv, dkv = carry
+    nxt = _ring_step(cfg, kv, -1)  # issued before this step's compute
+    dq_acc, dk_s, dv_s = over_keys(dq_acc, kv)
+    dkv = _ring_step(cfg, (_grid.add(dkv[0], dk_s), _grid.add(dkv[1], dv_s)),
+                     -1)
+    return (dq_acc, nxt, dkv), None
+  zkv = _grid.zeros(k.shape)
+  (dq_acc, _, (dk, dv)), _ = jax.lax.scan(
+      step, (_grid.zeros(qB.shape), (k, v, qpos, qseg), (zkv, zkv)), None,
+      length=cfg.n)
+  dq = _unblocks(_grid.from_grid(dq_acc, e_dq)).astype(q.dtype)
+  dk = _grid.from_grid(dk, e_dk).astype(k_dtype)
+  dv = _grid.from_grid(dv, e_dv).astype(v_dtype)
+  dsinks = None
+  if sinks is not None:
+    dsinks = _dsinks(cfg, sinks, oB, doB, lB, dlB, m_delta * b * B)
+  return dq, dk, dv, dsinks
+
+
+def _dsinks(cfg, sinks, oB, doB, lB, dlB, bound):
+  """d/dsinks = -sum_rows exp(sink - lse) D: per-block float sums (fixed
+  shapes), added on the grid, then an exact integer psum."""
+  e = _grid.unit_exponent(bound)
+
+  def per_q(acc, xs):
+    ob, dob, lb, dlb = xs
+    delta = jnp.sum(dob * ob, -1) - dlb  # [b, B, hq]
+    p = jnp.where(jnp.isfinite(lb),
+                  jnp.exp(sinks - jnp.where(jnp.isfinite(lb), lb, 0.0)), 0.0)
+    return _grid.add(acc, _grid.to_grid(-jnp.sum(p * delta, (0, 1)), e)), None
+  acc, _ = jax.lax.scan(per_q, _grid.zeros(sinks.shape), (oB, doB, lB, dlB))
+  total = _grid.from_grid(_grid.psum(acc, cfg.axis_name), e)
+  # sinks enter the shard_map replicated over the ring axis, so its
+  # transpose psums the per-device cotangents (in whatever order): the exact
+  # total sits on device 0 and the others add exact zeros.
+  return jnp.where(jax.lax.axis_index(cfg.axis_name) == 0, total, 0.0)
+
+
 def ring_attention(q, k, v, *, axis_name, causal=False, softmax_scale=None,
                    window_size=(-1, -1), sinks=None, softcap=0.0,
                    segment_ids=None, backend="auto", layout=None,
@@ -223,32 +333,38 @@ def ring_attention(q, k, v, *, axis_name, causal=False, softmax_scale=None,
     raise ValueError(f"sequence length {L * n} exceeds 2^24 tokens.")
   left, right = window_size
   scale = 1.0 / d**0.5 if softmax_scale is None else float(softmax_scale)
-  cfg = _Cfg(axis_name, int(n), bool(causal), (int(left), int(right)),
-             float(softcap or 0.0), scale, bs, L * n)
+  window, softcap = (int(left), int(right)), float(softcap or 0.0)
+  xcfg = xla.XlaConfig(causal=bool(causal), window_size=window,
+                       softcap=softcap, scale=scale, q_block=bs, k_block=bs,
+                       compute_dtype=_F32)
+  cfg = _Cfg(axis_name, int(n), bool(causal), window, softcap, scale, bs,
+             L * n, xcfg)
   qpos = local_positions(L, idx, n, layout)
   qseg = (jnp.zeros((b, L), jnp.int32) if segment_ids is None else
           jnp.asarray(segment_ids, jnp.int32))
   if sinks is not None:
     sinks = jnp.asarray(sinks, _F32)
-  out, lse = _no_grad_yet(cfg, q, k, v, qpos, qseg, sinks)
+  out, lse = _ring(cfg, q, k, v, qpos, qseg, sinks)
   return (out, lse) if return_lse else out
 
 
-# The grid's floor/int steps have no useful derivative: until the ring
-# backward lands, differentiating must fail loudly, never give wrong zeros.
+# The custom_vjp: the grid's floor/int steps have no useful derivative, so
+# the backward is the ring pass of `_backward`, never autodiff of `_forward`.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _no_grad_yet(cfg, q, k, v, qpos, qseg, sinks):
+def _ring(cfg, q, k, v, qpos, qseg, sinks):
   return _forward(cfg, q, k, v, qpos, qseg, sinks)
 
 
-def _ngy_fwd(cfg, q, k, v, qpos, qseg, sinks):
-  return _forward(cfg, q, k, v, qpos, qseg, sinks), None
+def _ring_fwd(cfg, q, k, v, qpos, qseg, sinks):
+  out, lse = _forward(cfg, q, k, v, qpos, qseg, sinks)
+  return (out, lse), (q, k, v, qpos, qseg, sinks, out, lse)
 
 
-def _ngy_bwd(cfg, res, cts):
-  raise NotImplementedError(
-      "ring_attention has no backward yet (issue 26: the dK/dV ring pass is "
-      "not implemented); use it for inference only.")
+def _ring_bwd(cfg, res, cts):
+  q, k, v, qpos, qseg, sinks, out, lse = res
+  dq, dk, dv, dsinks = _backward(cfg, q, k, v, qpos, qseg, sinks, out, lse,
+                                 *cts)
+  return dq, dk, dv, None, None, dsinks
 
 
-_no_grad_yet.defvjp(_ngy_fwd, _ngy_bwd)
+_ring.defvjp(_ring_fwd, _ring_bwd)
