@@ -14,7 +14,9 @@ _ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 _SCRIPT = r'''
 import numpy as np, jax, jax.numpy as jnp
-from jax_api.sharding import make_mesh, sharded_attention, zigzag, unzigzag
+from jax.sharding import PartitionSpec as P
+from jax_api.sharding import (make_mesh, ring_attention, sharded_attention,
+                              zigzag, unzigzag)
 from pallas_kernels.reference.dense import attention_reference
 r = np.random.default_rng(0)
 b, S, hq, hkv, d = 1, 32, 8, 2, 8   # GQA group 4 in every case
@@ -89,7 +91,13 @@ for call, msg in [
     (lambda: sharded_attention(q, k[:, :, :1].repeat(3, 2)[:, :, :3],
                                v[:, :, :1].repeat(3, 2)[:, :, :3],
                                mesh=make_mesh(context=1, heads=2)),
-     "breaks GQA groups")]:
+     "breaks GQA groups"),
+    (lambda: jax.shard_map(
+        lambda q, k, v: ring_attention(q, k, v, axis_name="seq"), mesh=m,
+        in_specs=P(None, "context"), out_specs=P(None, "context"),
+        check_vma=False)(q, k, v), "axis_name 'seq' is not a mesh axis"),
+    (lambda: sharded_attention(q, k, v, mesh=m, causal=True, block_size=3),
+     "block_size must divide")]:
   try:
     call()
   except ValueError as e:

@@ -31,12 +31,13 @@ import jax
 import jax.numpy as jnp
 
 from jax_api import _backend
+from jax_api import _validation as val
 from jax_api.sharding import _grid
 from jax_api.sharding.zigzag import local_positions
 from pallas_kernels.flash import xla
 from pallas_kernels.reference.dense import MaskSpec, visibility
 
-__all__ = ["ring_attention"]
+__all__ = ["ring_attention", "default_block_size"]
 
 _F32 = jnp.float32
 _HI = jax.lax.Precision.HIGHEST
@@ -281,6 +282,14 @@ def _dsinks(cfg, sinks, oB, doB, lB, dlB, bound):
   return jnp.where(jax.lax.axis_index(cfg.axis_name) == 0, total, 0.0)
 
 
+def default_block_size(seq: int) -> int:
+  """Block tokens for a global length `seq`: min(128, 2^k / 16), 2^k the
+  largest power of two dividing seq. It divides every zig-zag chunk
+  seq / (2 n) for n = 1, 2, 4, 8, so those device counts give the same
+  bits without the caller choosing a block."""
+  return max(1, min(128, (seq & -seq) // 16))
+
+
 def ring_attention(q, k, v, *, axis_name, causal=False, softmax_scale=None,
                    window_size=(-1, -1), sinks=None, softcap=0.0,
                    segment_ids=None, backend="auto", layout=None,
@@ -292,8 +301,9 @@ def ring_attention(q, k, v, *, axis_name, causal=False, softmax_scale=None,
       seq_local, heads_kv, head_dim]; heads_q % heads_kv == 0.
     layout: "zigzag" (default when causal: the global arrays were reordered
       by `zigzag(x, n)`) or "contiguous" (default otherwise).
-    block_size: tokens per fixed block (default min(128, chunk)); bits are
-      identical across device counts for equal block_size.
+    block_size: tokens per fixed block; bits are identical across device
+      counts for equal block_size. Default `default_block_size(seq)`, a
+      function of the global length only.
     segment_ids: int [batch, seq_local] local shard, or None.
     sinks: [heads_q] or None. Other options as `fold_attn_func`.
   Returns out [batch, seq_local, heads_q, head_dim] (and lse [batch,
@@ -311,29 +321,32 @@ def ring_attention(q, k, v, *, axis_name, causal=False, softmax_scale=None,
   except NameError as err:
     raise ValueError(f"axis_name {axis_name!r} is not a mesh axis bound by "
                      f"the enclosing shard_map ({err}).") from None
+  val.check_qkv(q, k, v, packed=False)
   b, L, hq, d = q.shape
-  if k.shape[:2] != (b, L) or v.shape != k.shape or hq % k.shape[2]:
-    raise ValueError(f"incompatible q {q.shape}, k {k.shape}, v {v.shape}: "
-                     "need equal [batch, seq_local] and heads_q % heads_kv "
-                     "== 0.")
+  if k.shape[1] != L:
+    raise ValueError(f"k and v must have q's local sequence length {L}; got "
+                     f"k {k.shape}.")
   layout = layout or ("zigzag" if causal else "contiguous")
   if layout not in ("zigzag", "contiguous"):
     raise ValueError(f"layout must be 'zigzag' or 'contiguous'; got "
                      f"{layout!r}.")
   chunk = L // 2 if layout == "zigzag" else L
   if layout == "zigzag" and L % 2:
-    raise ValueError(f"causal zig-zag needs the sequence length divisible "
+    raise ValueError(f"q: causal zig-zag needs the sequence length divisible "
                      f"by 2 x devices = {2 * n}; got seq {L * n} on {n} "
                      "devices.")
-  bs = int(block_size or min(128, chunk))
+  bs = default_block_size(L * n) if block_size is None else int(block_size)
   if bs < 1 or chunk % bs:
-    raise ValueError(f"block_size must divide the zig-zag/local chunk "
-                     f"({chunk} tokens); got {bs}.")
+    raise ValueError(f"block_size must divide the {layout} chunk of {chunk} "
+                     f"tokens (seq {L * n} on {n} devices); got {bs}"
+                     + (" (the default)" if block_size is None else "") +
+                     ". Pass a block_size that divides it.")
   if L * n > 2**_grid.MAX_TERMS_LOG2:
-    raise ValueError(f"sequence length {L * n} exceeds 2^24 tokens.")
-  left, right = window_size
-  scale = 1.0 / d**0.5 if softmax_scale is None else float(softmax_scale)
-  window, softcap = (int(left), int(right)), float(softcap or 0.0)
+    raise ValueError(f"q: sequence length {L * n} exceeds 2^24 tokens.")
+  window = val.check_window(window_size)
+  softcap = val.check_softcap(softcap)
+  scale = val.check_softmax_scale(softmax_scale, d)
+  val.check_sinks(sinks, hq)
   xcfg = xla.XlaConfig(causal=bool(causal), window_size=window,
                        softcap=softcap, scale=scale, q_block=bs, k_block=bs,
                        compute_dtype=_F32)
