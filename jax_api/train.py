@@ -652,7 +652,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   args = _parse(argv)
   if args.context_parallel:  # before JAX starts: it may add CPU devices
     from jax_api.sharding import train_cp
-    return train_cp.main(args)
+    return train_cp.main(args, sys.modules[__name__])
   # Before anything initialises the JAX backend (jax.devices() below).
   xla_det = enable_xla_deterministic_ops(args.xla_deterministic)
   t0 = time.perf_counter()

@@ -11,25 +11,28 @@ gradients by all-reduces).
 
 from __future__ import annotations
 
-import os
 import time
 
 __all__ = ["main"]
 
-_COUNT_FLAG = "--xla_force_host_platform_device_count"
-
 
 def _ensure_cpu_devices(n: int) -> None:
-  """N virtual CPU devices, if the backend has not started yet (XLA reads
-  XLA_FLAGS once). The host-platform flag does not touch GPUs."""
-  flags = os.environ.get("XLA_FLAGS", "")
-  if _COUNT_FLAG not in flags:
-    os.environ["XLA_FLAGS"] = f"{flags} {_COUNT_FLAG}={n}".strip()
+  """N virtual CPU devices, if the backend has not started yet (the count
+  is fixed when JAX initialises). It does not touch GPUs."""
+  import jax
+  try:
+    jax.config.update("jax_num_cpu_devices", max(
+        n, int(jax.config.jax_num_cpu_devices or 1)))
+  except RuntimeError:  # a backend already started: keep its devices
+    pass
 
 
-def main(args) -> int:
-  """Trains with `args.context_parallel` devices on the sequence axis;
-  `args` are `jax_api.train`'s parsed arguments. Returns the exit status."""
+def main(args, lm) -> int:
+  """Trains with `args.context_parallel` devices on the sequence axis.
+
+  args: `jax_api.train`'s parsed arguments; lm: the `jax_api.train` module
+  (passed in, so this module does not import it back). Returns the exit
+  status."""
   n = int(args.context_parallel)
   if n < 1:
     raise ValueError(f"--context-parallel must be >= 1; got {n}.")
@@ -37,9 +40,9 @@ def main(args) -> int:
 
   import jax
   import numpy as np
+  import optax
   from jax.sharding import NamedSharding, PartitionSpec as P
 
-  from jax_api import train as T
   from jax_api._corpus import CharTokenizer, corpus_text
   from jax_api.sharding.mesh import make_mesh
 
@@ -47,11 +50,11 @@ def main(args) -> int:
   if len(devices) < n:
     raise ValueError(
         f"--context-parallel {n}: only {len(devices)} {devices[0].platform} "
-        f"devices (on CPU, XLA_FLAGS already fixed the count before this "
-        f"run could set {_COUNT_FLAG}={n}).")
+        f"devices (on CPU the count is fixed when JAX starts: JAX had "
+        f"started before this run could ask for {n}).")
   on_gpu = devices[0].platform == "gpu"
   size = args.size if args.size != "auto" else ("small" if on_gpu else "tiny")
-  preset = T.SIZES[size]
+  preset = lm.SIZES[size]
   steps = args.steps if args.steps is not None else 20
   seq_len = args.seq_len or preset["seq_len"]
   batch = args.batch or preset["batch"]
@@ -66,7 +69,7 @@ def main(args) -> int:
   text = corpus_text()
   tok = CharTokenizer(text)
   data = tok.encode(text)
-  cfg = T.LMConfig(vocab_size=tok.vocab_size,
+  cfg = lm.LMConfig(vocab_size=tok.vocab_size,
                    **{k: preset[k] for k in ("d_model", "num_layers",
                                              "num_heads", "num_kv_heads")},
                    sliding_window=args.window, use_sinks=args.sinks,
@@ -79,13 +82,13 @@ def main(args) -> int:
         f"size {size}, seq_len {seq_len} ({seq_len // n} per device), batch "
         f"{batch}, {steps} steps", flush=True)
 
-  model = T.TinyLM(cfg)
-  tx = T.make_optimizer(lr, steps)
-  step = T.make_train_step(model, tx)
-  params = jax.device_put(T.init_params(model, seq_len, args.seed),
+  model = lm.TinyLM(cfg)
+  tx = optax.adamw(lr)
+  step = lm.make_train_step(model, tx)
+  params = jax.device_put(lm.init_params(model, seq_len, args.seed),
                           replicated)
   opt_state = jax.device_put(tx.init(params), replicated)
-  it = T.batches(data, seq_len, batch, args.seed)
+  it = lm.batches(data, seq_len, batch, args.seed)
   losses = []
   t0 = time.perf_counter()
   t1 = None
