@@ -64,6 +64,14 @@ def _kernel_plan(head_dim: int, dtype, interpret: bool) -> core.KernelPlan:
                           _gpu_capability())
 
 
+def _sharded(q):
+  """(mesh, spec) when q's sharding is known while tracing (then the call
+  runs per shard, or round the ring: `jax_api.sharding.route`), else None.
+  Imported lazily: jax_api.sharding builds on this module's package."""
+  from jax_api.sharding.route import mesh_spec
+  return mesh_spec(q)
+
+
 def _check_common(q, k, v, sinks, window_size, softcap, softmax_scale,
                   packed: bool):
   val.check_qkv(q, k, v, packed=packed)
@@ -110,6 +118,13 @@ def fold_attn_func(q: jax.Array, k: jax.Array, v: jax.Array, *,
   b, sq, hq, d = q.shape
   sk = k.shape[1]
   segs = val.check_segment_ids(segment_ids, b, sq, sk)
+  if (sharded := _sharded(q)) is not None:
+    from jax_api.sharding import route
+    return route.dense(q, k, v, mesh_and_spec=sharded, causal=causal,
+                       softmax_scale=softmax_scale, window_size=window_size,
+                       sinks=sinks, softcap=softcap, segment_ids=segment_ids,
+                       return_lse=return_lse, backend=backend,
+                       single=fold_attn_func)
   be = resolve_backend(backend, kernel="fold_attn_func")
   if be == "xla":
     qs = dense_mask_spec(b, sq, None if segs is None else segs[0])
@@ -182,6 +197,13 @@ def fold_attn_varlen_func(q: jax.Array, k: jax.Array, v: jax.Array,
   # one is the caller's error all the same).
   mq = val.concrete_max_seqlen("max_seqlen_q", cu_seqlens_q, max_seqlen_q)
   mk = val.concrete_max_seqlen("max_seqlen_k", cu_seqlens_k, max_seqlen_k)
+  if (sharded := _sharded(q)) is not None:
+    from jax_api.sharding import route
+    return route.varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                        max_seqlen_k, mesh_and_spec=sharded, causal=causal,
+                        softmax_scale=softmax_scale, window_size=window_size,
+                        sinks=sinks, softcap=softcap, return_lse=return_lse,
+                        backend=backend, single=fold_attn_varlen_func)
   cu_q = jnp.asarray(cu_seqlens_q, jnp.int32)
   cu_k = jnp.asarray(cu_seqlens_k, jnp.int32)
   be = resolve_backend(backend, kernel="fold_attn_varlen_func")

@@ -110,11 +110,17 @@ def _parse(argv):
                  "in XLA_FLAGS wins)")
   p.add_argument("--time-impls", default=None, help=argparse.SUPPRESS)
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--context-parallel", type=int, default=None, metavar="N",
+                 help="shard the sequence over N devices (N virtual CPU "
+                 "devices on CPU): jax_api.sharding.train_cp")
   return p.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
   args = _parse(argv)
+  if args.context_parallel:  # before JAX starts: it may add CPU devices
+    from jax_api.sharding import train_cp
+    return train_cp.main(args, sys.modules[__name__])
   # Before anything initialises the JAX backend (jax.devices() below).
   xla_det = enable_xla_deterministic_ops(args.xla_deterministic)
   t0 = time.perf_counter()
