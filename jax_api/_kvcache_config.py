@@ -44,7 +44,6 @@ class CacheConfig:
   page_size: int
   num_pages: int
   dtype: str
-  depth: int | None
   chunk_tokens: int
   kv_dtype: str | None = None  # an FP8 dtype name, or None (pages in dtype)
 
@@ -59,10 +58,6 @@ class CacheConfig:
   @property
   def max_pages(self) -> int:
     return cdiv(self.max_len, self.page_size)
-
-  @property
-  def summaries(self) -> bool:
-    return self.depth is not None
 
   def decode_options(self, q_shape, q_dtype, sinks_shape=None,
                      sinks_dtype=None, *, backend: str, softmax_scale=None,
@@ -81,4 +76,4 @@ class CacheConfig:
         n_heads=self.n_heads, head_dim=self.head_dim, cache_dtype=self.dtype,
         max_draft=MAX_DRAFT)
     return DecodeOptions(backend=backend, chunk_tokens=self.chunk_tokens,
-                         depth=self.depth, **checked)
+                         **checked)

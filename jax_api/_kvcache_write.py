@@ -24,7 +24,6 @@ from jax_api._kvcache_config import cdiv as _cdiv
 from jax_api._kvcache_fp8 import append_one_fp8 as _append_one_fp8
 from jax_api.contract import kvcache as _ckv
 from jax_api.dense import fold_attn_varlen_func
-from pallas_kernels.decode import page_summaries
 from pallas_kernels.decode.fp8 import dequantise, quantise_pages
 
 
@@ -127,17 +126,6 @@ def _append_one(cache, k, v, act):
       block_table=bt,
       lengths_=pos + act.astype(jnp.int32),
       n_free=cache.n_free - jnp.sum(need_i))
-  if cfg.summaries:
-    kmax, kmin, ksum, ksq = cache.summaries
-    pg = jnp.clip(page, 0, p - 1)
-    kf = kp.astype(jnp.float32)
-    first = need[:, None, None]
-    new = (jnp.where(first, kp, jnp.maximum(kmax[pg], kp)),
-           jnp.where(first, kp, jnp.minimum(kmin[pg], kp)),
-           jnp.where(first, kf, ksum[pg] + kf),
-           jnp.where(first, kf * kf, ksq[pg] + kf * kf))
-    upd["summaries"] = tuple(x.at[page_w].set(y, mode="drop")
-                             for x, y in zip(cache.summaries, new))
   return cache._replace(**upd)
 
 
@@ -198,11 +186,6 @@ def _prefill_core(cache, k, v, cu, seq_ids, *, mp: int):
     upd = dict(
         k_pages=cache.k_pages.at[pages_w].set(kd.reshape(shp), mode="drop"),
         v_pages=cache.v_pages.at[pages_w].set(vd.reshape(shp), mode="drop"))
-  if cfg.summaries:
-    counts = jnp.clip(seq_len[:, None] - pidx * s, 0, s).reshape(-1)
-    new = page_summaries(kd.reshape(shp), counts)
-    upd["summaries"] = tuple(x.at[pages_w].set(y, mode="drop")
-                             for x, y in zip(cache.summaries, new))
   valid, _ = _slot_ok(cfg, seq_ids)
   ids_c = jnp.clip(seq_ids, 0, cfg.batch - 1)
   row_w = jnp.where(valid & ok, ids_c, cfg.batch)  # dropped if not ok

@@ -21,8 +21,6 @@ Storage
   free_pages, n_free: a stack; free_pages[:n_free] are the free pool pages.
     Allocation pops from the top, `free` pushes, so freed pages are reused
     first and no page is ever held by two live slots.
-  depth: per-page key summaries (kmax, kmin, ksum, ksumsq) drive the page
-    cut and its mass estimate (see `pallas_kernels.decode.kernel`).
   kv_dtype=float8_e4m3fn / float8_e5m2: k_pages and v_pages hold FP8 entries
     and k_scales, v_scales float32 [num_pages, n_kv_heads] one power-of-two
     scale per (page, KV head), computed from that page's own filled tokens
@@ -48,8 +46,7 @@ error word `cache.error` gets the matching bit (ERR_* below); call
 
 Numerics
 --------
-Decoding is exact attention (`depth=None`) through a kernel whose
-partials add against a declared reference, so the result does not depend on
+Decoding is exact attention through a kernel whose partials add against a declared reference, so the result does not depend on
 the split count, the batch, or where pages live (see the kernel docs). The
 bits do depend on `page_size` and `chunk_tokens` (where partial sums are cut)
 and on the shipped tile table (`config=`, a `jax_api.KernelSettings`, on
@@ -91,12 +88,10 @@ _check_int = _ck.check_int
 class FoldKVCache:
   """One layer's paged KV cache (a pytree; see the module docstring)."""
 
-  _FIELDS = ("k_pages", "v_pages", "summaries", "anchors", "block_table",
-             "lengths_", "free_pages", "n_free", "error", "k_scales",
-             "v_scales")
+  _FIELDS = ("k_pages", "v_pages", "anchors", "block_table", "lengths_",
+             "free_pages", "n_free", "error", "k_scales", "v_scales")
 
-  def __init__(self, *, config: CacheConfig, k_pages, v_pages, summaries,
-               anchors, block_table, lengths_, free_pages, n_free, error,
+  def __init__(self, *, config: CacheConfig, k_pages, v_pages, anchors, block_table, lengths_, free_pages, n_free, error,
                k_scales=None, v_scales=None):
     self.config = config
     self.k_scales = k_scales
@@ -104,7 +99,6 @@ class FoldKVCache:
     self.anchors = anchors
     self.k_pages = k_pages
     self.v_pages = v_pages
-    self.summaries = summaries
     self.block_table = block_table
     self.lengths_ = lengths_
     self.free_pages = free_pages
@@ -129,14 +123,13 @@ class FoldKVCache:
     return (f"FoldKVCache(batch={c.batch}, n_heads={c.n_heads}, n_kv_heads="
             f"{c.n_kv_heads}, head_dim={c.head_dim}, max_len={c.max_len}, "
             f"page_size={c.page_size}, num_pages={c.num_pages}, dtype="
-            f"{c.dtype}, depth={c.depth}, kv_dtype={c.kv_dtype})")
+            f"{c.dtype}, kv_dtype={c.kv_dtype})")
 
   # -- construction ------------------------------------------------------------
   @classmethod
   def create(cls, batch: int, n_heads: int, n_kv_heads: int, head_dim: int,
              max_len: int, *, page_size: int = 256, dtype=jnp.bfloat16,
-             depth: int | None = None, num_pages: int | None = None,
-             chunk_tokens: int | None = None,
+             num_pages: int | None = None, chunk_tokens: int | None = None,
              kv_dtype=None) -> "FoldKVCache":
     """An empty cache of `batch` slots.
 
@@ -146,10 +139,6 @@ class FoldKVCache:
         per slot.
       page_size: tokens per page (a power of two >= 16).
       dtype: key/value dtype (bf16, fp16 or fp32); queries must match it.
-      depth: None (exact) or an int > 0: keys whose weight is below 2^-depth
-        of the row's declared reference leave the numerator (their mass stays
-        in the denominator; pages whose bound is below the cut are not read
-        and their mass is estimated). Tiles with nothing left skip V.
       num_pages: pool size (default batch * ceil(max_len / page_size), enough
         for every slot at max_len; smaller pools share memory and can run
         out, see the module docstring).
@@ -159,8 +148,7 @@ class FoldKVCache:
       kv_dtype: None (K/V pages in `dtype`), jnp.float8_e4m3fn or
         jnp.float8_e5m2: K and V pages in FP8 with a float32 scale per (page,
         KV head) (about half the bytes of bf16; see the module docstring).
-        Decoding dequantises in registers and computes in `dtype`. Not
-        combined with depth.
+        Decoding dequantises in registers and computes in `dtype`.
     """
     batch = _check_int("batch", batch)
     n_heads = _check_int("n_heads", n_heads)
@@ -181,8 +169,6 @@ class FoldKVCache:
     if dt not in val.SUPPORTED_DTYPES:
       raise TypeError(f"dtype {dt} is not supported; use one of "
                       f"{', '.join(map(str, val.SUPPORTED_DTYPES))}.")
-    if depth is not None:
-      depth = _check_int("depth", depth)
     max_pages = _cdiv(max_len, page_size)
     if num_pages is None:
       num_pages = batch * max_pages
@@ -202,18 +188,9 @@ class FoldKVCache:
       if kv_name not in FP8_DTYPES:
         raise ValueError(f"kv_dtype {kv_dtype!r} is not supported; use None, "
                          "jnp.float8_e4m3fn or jnp.float8_e5m2.")
-      if depth is not None:
-        raise ValueError(f"kv_dtype={kv_name} cannot be combined with depth "
-                         "(use kv_dtype=None for it).")
     cfg = CacheConfig(batch, n_heads, n_kv_heads, head_dim, max_len,
-                      page_size, num_pages, dt.name, depth, chunk_tokens,
-                      kv_name)
+                      page_size, num_pages, dt.name, chunk_tokens, kv_name)
     shape = (num_pages, page_size, n_kv_heads, cfg.d_pad)
-    summ = None
-    if cfg.summaries:
-      sshape = (num_pages, n_kv_heads, cfg.d_pad)
-      summ = (jnp.zeros(sshape, dt), jnp.zeros(sshape, dt),
-              jnp.zeros(sshape, jnp.float32), jnp.zeros(sshape, jnp.float32))
     kv_dt = jnp.dtype(kv_name) if kv_name else dt
     # Two buffers (not one shared) so that the cache can be donated.
     scales = (lambda: jnp.zeros((num_pages, n_kv_heads), jnp.float32)
@@ -224,7 +201,6 @@ class FoldKVCache:
         v_scales=scales(),
         k_pages=jnp.zeros(shape, kv_dt),
         v_pages=jnp.zeros(shape, kv_dt),
-        summaries=summ,
         anchors=jnp.zeros((batch, max_pages, n_kv_heads, cfg.d_pad), dt),
         block_table=jnp.zeros((batch, max_pages), jnp.int32),
         lengths_=jnp.zeros((batch,), jnp.int32),
@@ -248,8 +224,7 @@ class FoldKVCache:
     """The arrays decoding reads, as the decode op's core takes them
     (`pallas_kernels.decode.core.decode`)."""
     return PagedKV(self.k_pages, self.v_pages, self.block_table,
-                   self.lengths_, self.anchors, self.k_scales, self.v_scales,
-                   self.summaries)
+                   self.lengths_, self.anchors, self.k_scales, self.v_scales)
 
   def check(self) -> "FoldKVCache":
     """Raises ValueError if an operation under jit hit an error (see

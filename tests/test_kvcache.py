@@ -1,9 +1,9 @@
 """FoldKVCache and fold_attn_with_kvcache: prefill + decode against the
-float32 references, drafts, jit with donation, depth caches, and cache
-safety (a hypothesis state machine against a dict-of-lists model: contents,
-no page shared by two live slots, no page leaked, freed pages reused,
-overflow refused before any write, eagerly (ValueError) and under jit (error
-word, no-op))."""
+float32 references, drafts, jit with donation, and cache safety (a
+hypothesis state machine against a dict-of-lists model: contents, no page
+shared by two live slots, no page leaked, freed pages reused, overflow
+refused before any write, eagerly (ValueError) and under jit (error word,
+no-op))."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from jax_api.kvcache import (ERR_BAD_SLOT, ERR_MAX_LEN, ERR_NOT_EMPTY,
                              ERR_POOL, FoldKVCache, fold_attn_with_kvcache)
-from pallas_kernels.decode import page_summaries
 from pallas_kernels.reference import (paged_decode_reference,
                                       varlen_attention_reference)
 from pallas_kernels.reference.decode import gather_pages
@@ -111,28 +110,10 @@ def test_draft_tokens_causal_within_the_draft():
   np.testing.assert_array_equal(np.asarray(again), np.asarray(out))
 
 
-def test_depth_cache_summaries_and_error():
-  rng = np.random.default_rng(3)
-  b, hq, hkv, d = 2, 4, 2, 32
-  cache = FoldKVCache.create(b, hq, hkv, d, 96, page_size=S,
-                             dtype=jnp.float32, depth=20, chunk_tokens=2 * S)
-  q, k, v, cu = _prompts(rng, [37, 50], hq, hkv, d, jnp.float32)
-  _, cache = cache.prefill(q, k, v, cu, backend="xla")
-  for _ in range(3):
-    cache = cache.append(_rand(rng, (b, hkv, d)), _rand(rng, (b, hkv, d)))
-  # Incremental summaries agree with summaries recomputed from the pages.
-  counts = np.zeros(cache.config.num_pages, np.int32)
-  for i, n in enumerate(np.asarray(cache.lengths)):
-    for p in range(-(-int(n) // S)):
-      counts[int(cache.block_table[i, p])] = min(S, int(n) - p * S)
-  fresh = page_summaries(cache.k_pages, jnp.asarray(counts))
-  used = counts > 0
-  for got, want in zip(cache.summaries, fresh):
-    np.testing.assert_allclose(np.asarray(got)[used], np.asarray(want)[used],
-                               rtol=1e-5, atol=1e-5)
-  qs = _rand(rng, (b, hq, d))
-  exact = _ref_decode(cache, qs)
-  assert _rel(cache.attend(qs, backend="xla"), exact) < 1e-4
+def test_depth_keyword_is_gone():
+  # depth pruning was removed (issue 29): the keyword is not accepted.
+  with pytest.raises(TypeError, match="depth"):
+    FoldKVCache.create(1, 2, 1, 16, 32, depth=8)
 
 
 def test_jit_errors_are_flagged_and_leave_the_cache_unchanged():

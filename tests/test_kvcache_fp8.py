@@ -226,8 +226,6 @@ def test_fp8_validation_and_refused_appends():
     FoldKVCache.create(1, 2, 1, 16, 32, kv_dtype=jnp.int8)
   with pytest.raises(ValueError, match="kv_dtype"):
     FoldKVCache.create(1, 2, 1, 16, 32, kv_dtype="float8_e4m3fnuz")
-  with pytest.raises(ValueError, match="kv_dtype"):
-    FoldKVCache.create(1, 2, 1, 16, 32, kv_dtype=E4M3, depth=8)
   rng = np.random.default_rng(5)
   cache = FoldKVCache.create(2, 2, 1, 16, 32, page_size=S, kv_dtype=E4M3)
   q, k, v, cu = _prompts(rng, [30, 7], 2, 1, 16)

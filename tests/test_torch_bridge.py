@@ -662,6 +662,10 @@ def test_kvcache_errors_raise_and_leave_the_cache_unchanged():
   assert cache.lengths.tolist() == [3]
   cache.append(torch.randn(1, 1, 8), torch.randn(1, 1, 8))  # usable again
   assert cache.lengths.tolist() == [4]
+  # depth pruning was removed (issue 29): the keyword is not accepted.
+  with pytest.raises(TypeError, match="depth"):
+    tb.FoldKVCache.create(1, 2, 1, 8, max_len=4, page_size=16,
+                          dtype=torch.float32, device="cpu", depth=8)
 
 
 @pytest.mark.gpu

@@ -107,7 +107,6 @@ class FoldKVCache:
   def create(cls, batch: int, n_heads: int, n_kv_heads: int, head_dim: int,
              max_len: int, *, page_size: int = 256,
              dtype: torch.dtype = torch.bfloat16, device=None,
-             depth: int | None = None,
              num_pages: int | None = None, chunk_tokens: int | None = None,
              raise_errors: bool = True,
              kv_dtype: torch.dtype | None = None) -> "FoldKVCache":
@@ -130,8 +129,7 @@ class FoldKVCache:
     with jax.default_device(target.jax_device):
       c = jkv.FoldKVCache.create(batch, n_heads, n_kv_heads, head_dim,
                                  max_len, page_size=page_size,
-                                 dtype=_DTYPES[dtype], depth=depth,
-                                 num_pages=num_pages,
+                                 dtype=_DTYPES[dtype], num_pages=num_pages,
                                  chunk_tokens=chunk_tokens,
                                  kv_dtype=_KV_DTYPES.get(kv_dtype))
     c = jax.device_put(c, target.jax_device)
