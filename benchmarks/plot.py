@@ -63,8 +63,9 @@ IMPL_NAMES = {
     "bridge": "foldax via torch_bridge",
     "jax_direct": "foldax called from JAX",
     "torch_sdpa": "torch SDPA",
-    # decode suite (benchmarks.decode); ours_v8 (an option since removed)
-    # labels the runs of results/ that measured it
+    # decode suite (benchmarks.decode); ours_v8 and ours_depth16 (options
+    # since removed; depth: issue 29) label the runs of results/ that
+    # measured them
     "ours_v8": "foldax, values as 2×E4M3 (v8)",
     "ours_depth16": "foldax, depth=16 (approximate cut)",
     "ours_fp8": "foldax, FP8 cache (E4M3)",

@@ -1,7 +1,7 @@
 """Split-KV paged decode kernel (Pallas, interpret mode on CPU) against the
 float32 references, its bitwise invariances (split count, batch, page
-placement), the declared-reference fallback, the depth option against
-the XLA backend (a model of the same semantics), and Triton lowering. GPU twins are
+placement), the declared-reference fallback, the XLA backend (a model of
+the same semantics), and Triton lowering. GPU twins are
 marked `gpu` (run with `pytest -m gpu` on an NVIDIA GPU)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.decode import (contiguous_as_pages, contiguous_decode,
-                                   page_summaries, paged_decode, xla_decode)
+                                   paged_decode, xla_decode)
 from pallas_kernels.reference import paged_decode_reference
 from pallas_kernels.reference.decode_draft import paged_draft_reference
 
@@ -65,7 +65,7 @@ def _reference(q, k, v, table, lengths, **opts):
 
 
 _model = jax.jit(xla_decode, static_argnames=(
-    "softmax_scale", "window_left", "softcap", "depth"))
+    "softmax_scale", "window_left", "softcap"))
 
 
 def _rel(a, b):
@@ -227,64 +227,40 @@ def test_declared_reference_fallback():
   assert _same_bits(out[0, 1:], raw[0, 1:])  # same group, rows that passed
 
 
-def _depth_inputs(seed=5):
-  rng = np.random.default_rng(seed)
-  lengths = (120, 64)
-  k, v, table, counts = _paged(rng, lengths, hkv=2, d=32, dtype=jnp.float32)
-  # Peaked attention: a few hot keys, the rest far below them.
-  k = k * 2.0
-  q = _rand(rng, (2, 8, 32), jnp.float32, 2.0)
-  return q, k, v, table, jnp.asarray(lengths, jnp.int32), counts
-
-
-def test_depth_matches_model_and_converges():
-  q, k, v, table, lengths, counts = _depth_inputs()
-  summ = page_summaries(k, counts)
-  ref = _reference(q, k, v, table, lengths)
-  sink = jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float32)
-  out = paged_decode(q, k, v, table, lengths, chunk_tokens=2 * S,
-                     interpret=True, num_splits=2, depth=4, summaries=summ,
-                     sinks=sink)
-  model = _model(q, k, v, table, lengths, depth=4, summaries=summ,
-                     sinks=sink)
-  assert _rel(out, model) < 1e-5
-  errs = [_rel(_model(q, k, v, table, lengths, depth=dd,
-                          summaries=summ), ref) for dd in (2, 6, 12, 24)]
-  assert errs[-1] < 1e-5 and errs[0] > errs[-1]
-  assert all(a >= b * 0.5 for a, b in zip(errs, errs[1:]))
-  # A cut below every weight is exact attention, to the bit.
-  exact = paged_decode(q, k, v, table, lengths, chunk_tokens=2 * S,
-                       interpret=True, num_splits=2)
-  deep = paged_decode(q, k, v, table, lengths, chunk_tokens=2 * S,
-                      interpret=True, num_splits=2, depth=500, summaries=summ)
-  assert _same_bits(deep, exact)
+def test_depth_keyword_is_gone():
+  # depth pruning was removed (issue 29): the keyword is not accepted.
+  rng = np.random.default_rng(5)
+  k, v, table, _ = _paged(rng, (20,), hkv=1, d=16, dtype=jnp.float32)
+  q = _rand(rng, (1, 2, 16), jnp.float32)
+  with pytest.raises(TypeError, match="depth"):
+    paged_decode(q, k, v, table, jnp.asarray([20], jnp.int32),
+                 chunk_tokens=S, interpret=True, depth=8)
+  with pytest.raises(TypeError, match="depth"):
+    xla_decode(q, k, v, table, jnp.asarray([20], jnp.int32), depth=8)
 
 
 def test_lowers_for_triton_on_cpu(fake_h200):
   """The decode kernels lower to Triton IR (what the GPU compiles)."""
   sds = jax.ShapeDtypeStruct
   b, hq, hkv, page, n_pages, mp = 4, 32, 8, 256, 64, 8
-  for d, dtype, q_len, depth, sinks in (
-      (128, jnp.bfloat16, 1, None, False),
-      (128, jnp.bfloat16, 4, 16, True),
-      (64, jnp.float32, 1, None, True),
-      (96, jnp.float16, 3, 8, False)):
+  for d, dtype, q_len, sinks in (
+      (128, jnp.bfloat16, 1, False),
+      (128, jnp.bfloat16, 4, True),
+      (64, jnp.float32, 1, True),
+      (96, jnp.float16, 3, False)):
     dp = 16
     while dp < d:
       dp *= 2
     pool = (n_pages, page, hkv, dp)
-    summ = (sds((n_pages, hkv, dp), dtype), sds((n_pages, hkv, dp), dtype),
-            sds((n_pages, hkv, dp), jnp.float32),
-            sds((n_pages, hkv, dp), jnp.float32)) if depth else None
 
-    def f(q, k, v, t, n, sm, sk, depth=depth):
+    def f(q, k, v, t, n, sk):
       return paged_decode(q, k, v, t, n, chunk_tokens=1024, window_left=300,
-                          softcap=30.0, depth=depth,
-                          summaries=sm, sinks=sk, interpret=False,
+                          softcap=30.0, sinks=sk, interpret=False,
                           compute_capability=(9, 0), num_splits=4)
     txt = jax.jit(f).trace(
         sds((b, q_len, hq, d), dtype), sds(pool, dtype), sds(pool, dtype),
-        sds((b, mp), jnp.int32), sds((b,), jnp.int32), summ, sds((hq,), jnp.float32) if sinks else None).lower(
+        sds((b, mp), jnp.int32), sds((b,), jnp.int32),
+        sds((hq,), jnp.float32) if sinks else None).lower(
             lowering_platforms=("cuda",)).as_text()
     assert "fold_decode_split" in txt and "fold_decode_combine" in txt
 
@@ -345,20 +321,10 @@ def test_gpu_bitwise_invariances():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU")
-def test_gpu_depth_draft():
+def test_gpu_draft():
   from jax_api._backend import _gpu_capability
   cc = _gpu_capability()
-  q, k, v, table, lengths = _gpu_inputs(4, 3000)
-  counts = np.zeros(k.shape[0], np.int32)
-  for i, n in enumerate(np.asarray(lengths)):
-    for p in range(table.shape[1]):
-      counts[int(table[i, p])] = np.clip(n - p * 256, 0, 256)
-  summ = page_summaries(k, jnp.asarray(counts))
-  kw = dict(chunk_tokens=1024, compute_capability=cc, depth=12,
-            summaries=summ)
-  out = paged_decode(q, k, v, table, lengths, **kw)
-  model = xla_decode(q, k, v, table, lengths, depth=12, summaries=summ)
-  assert _rel(out, model) < 2e-2
+  _, k, v, table, lengths = _gpu_inputs(4, 3000)
   qd = _rand(np.random.default_rng(1), (4, 5, 32, 128), jnp.bfloat16)
   out = paged_decode(qd, k, v, table, lengths, chunk_tokens=1024,
                      compute_capability=cc)

@@ -12,8 +12,7 @@ from pallas_kernels.decode.kernel import (OVERFLOW_MARGIN, DecodeSpec,
                                           fold_decode)
 from pallas_kernels.decode.ops import (arrange_queries, contiguous_as_pages,
                                        contiguous_decode, head_dim_pad,
-                                       make_spec, page_anchors,
-                                       page_summaries, paged_decode,
+                                       make_spec, page_anchors, paged_decode,
                                        unarrange_output)
 from pallas_kernels.decode.xla import xla_decode
 
@@ -21,6 +20,6 @@ __all__ = [
     "MAX_DRAFT", "OVERFLOW_MARGIN", "DecodeBlocks", "DecodeSpec",
     "arrange_queries", "contiguous_as_pages", "contiguous_decode",
     "decode_blocks_for", "default_num_splits", "fold_decode", "head_dim_pad",
-    "make_spec", "page_anchors", "page_summaries", "paged_decode",
+    "make_spec", "page_anchors", "paged_decode",
     "unarrange_output", "xla_decode",
 ]

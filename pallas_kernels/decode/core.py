@@ -17,7 +17,6 @@ Layouts (those of `pallas_kernels.decode.paged_decode`):
   block_table: int32 [batch, max_pages]; lengths: int32 [batch].
   anchors:     [batch, max_pages, heads_kv, d_pad] in q's dtype, the first
                key of every logical page (dequantised when FP8), or None.
-  summaries:   the per-page key statistics of `page_summaries` (depth only).
 """
 
 from __future__ import annotations
@@ -48,7 +47,6 @@ class PagedKV(NamedTuple):
   anchors: Any = None
   k_scales: Any = None
   v_scales: Any = None
-  summaries: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,9 +57,8 @@ class DecodeOptions:
   chunk_tokens: keys per partial sum (the cache's; part of the numerics).
   softmax_scale: a float, or None for 1/sqrt(head_dim).
   window_left: the window's left extent, -1 unbounded (right is 0).
-  softcap: 0 disables it. depth: None (exact) or the cut of
-  `pallas_kernels.decode.kernel`. num_splits: None (the kernel chooses) or
-  an int; the bits do not depend on it.
+  softcap: 0 disables it. num_splits: None (the kernel chooses) or an int;
+  the bits do not depend on it.
   """
 
   backend: str
@@ -69,7 +66,6 @@ class DecodeOptions:
   softmax_scale: float | None = None
   window_left: int = -1
   softcap: float = 0.0
-  depth: int | None = None
   num_splits: int | None = None
 
   def __post_init__(self):
@@ -79,7 +75,7 @@ class DecodeOptions:
 
 
 _xla_decode_jit = jax.jit(xla_decode, static_argnames=(
-    "softmax_scale", "window_left", "softcap", "depth", "return_reference"))
+    "softmax_scale", "window_left", "softcap", "return_reference"))
 
 
 def decode(q, kv: PagedKV, sinks=None, *, options: DecodeOptions,
@@ -99,8 +95,7 @@ def decode(q, kv: PagedKV, sinks=None, *, options: DecodeOptions,
       vpg = dequantise_pages(vpg, kv.v_scales, q.dtype)
     return _xla_decode_jit(q, kpg, vpg, kv.block_table, kv.lengths,
                            softmax_scale=o.softmax_scale, sinks=sinks,
-                           window_left=o.window_left, softcap=o.softcap,
-                           depth=o.depth, summaries=kv.summaries)
+                           window_left=o.window_left, softcap=o.softcap)
   interpret = o.backend == "interpret"
   if interpret:
     compute_capability = None
@@ -110,7 +105,6 @@ def decode(q, kv: PagedKV, sinks=None, *, options: DecodeOptions,
                       anchors=kv.anchors, chunk_tokens=o.chunk_tokens,
                       softmax_scale=o.softmax_scale, sinks=sinks,
                       window_left=o.window_left, softcap=o.softcap,
-                      depth=o.depth, summaries=kv.summaries,
                       num_splits=o.num_splits, interpret=interpret,
                       compute_capability=compute_capability,
                       k_scales=kv.k_scales if fp8 else None,

@@ -7,8 +7,6 @@ Layouts (those of `pallas_kernels.reference.decode`):
   k_pages:     [num_pages, page_size, heads_kv, d_pad], a page pool.
   v_pages:     the same.
   block_table: int32 [batch, max_pages]; lengths: int32 [batch].
-  summaries:   (kmax, kmin) [num_pages, heads_kv, d_pad] in the key dtype and
-               (ksum, ksumsq) float32: per-page key statistics (depth).
   k_scales, v_scales: float32 [num_pages, heads_kv] (fp8 only): k_pages and
                v_pages hold FP8 entries that decode as entry * scale of their
                (page, head) (`pallas_kernels.decode.fp8`); anchors stay in the
@@ -43,25 +41,13 @@ rare, and no host round trip); rows that passed keep their R and therefore
 their bits. The check depends only on the row's own data, so the invariances
 hold through the fallback.
 
-depth (optional), with w_j = 2^(s_j - R) a key's weight against the declared
-reference:
-  * key cut: keys with w_j < 2^-depth leave the numerator but keep their
-    exact mass in the denominator; a tile where no (row, key) weight reaches
-    2^-depth does not read its values.
-  * page cut: a page whose bounding-box bound u_pr = max over the page's box
-    of s is below R_r - depth (so every key of it would be cut for row r)
-    is not read at all for that row (nor by the program if no row needs it);
-    its mass enters the denominator as an estimate n_visible * 2^(e_pr - R_r),
-    e = mean score + ln2 * var / 2 (the log-normal mean, capped at the bound),
-    from the page summaries.
-
 fp8: keys and values are dequantised in registers right after their load,
 (entry * scale).astype(q.dtype); the scales are powers of two, so this is
 exact and the program then runs on the same values as over a cache holding
 the dequantised pages (same bits, half the bytes read).
 
 Every one of these decisions is a function of the row's own data, so the
-invariances above hold for depth and fp8 too.
+invariances above hold for fp8 too.
 """
 
 from __future__ import annotations
@@ -76,7 +62,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.decode.config import MAX_DRAFT, SAMPLE_TILE
-from pallas_kernels.flash.tiles import LN2, LOG2E
+from pallas_kernels.flash.tiles import LOG2E
 
 # A row is recomputed against its exact maximum when M - R exceeds this.
 OVERFLOW_MARGIN = 64.0
@@ -110,7 +96,6 @@ class DecodeSpec:
   scale: float          # softmax scale (natural-log domain)
   softcap: float        # 0: off
   left: int             # window's left extent, -1 unbounded (right is 0)
-  depth: int | None
   has_sinks: bool
   interpret: bool
   fp8: bool = False     # FP8 pages + per-(page, head) float32 scales
@@ -139,10 +124,6 @@ class DecodeSpec:
     # partials keep only the real rows (masked stores).
     return self.rows_pad if self.interpret else self.rows
 
-  @property
-  def summaries(self) -> bool:
-    return self.depth is not None
-
 
 # ----------------------------------------------------------------------------
 # In-kernel helpers
@@ -162,10 +143,6 @@ def _scores(spec: DecodeSpec, qk):
 def _any(x):
   """Triton has no reduce_or: max over int32."""
   return jnp.max(x.astype(jnp.int32)) > 0
-
-
-def _any2(x):
-  return jnp.max(jnp.max(x.astype(jnp.int32), axis=1)) > 0
 
 
 def _dot_precision(dtype):
@@ -254,23 +231,6 @@ def _declared_reference(spec: DecodeSpec, q, k_ref, bt_ref, anchors_ref, b, h,
   return sample_max(kk, kpos, ok, ref)
 
 
-def _page_stats(spec: DecodeSpec, qf, sum_refs, page, h, count):
-  """Bound u (base 2, capped) and log-normal mass exponent e of one page."""
-  kmax_ref, kmin_ref, ksum_ref, ksq_ref = sum_refs
-  kmax = kmax_ref[page, h, :].astype(jnp.float32)[None, :]
-  kmin = kmin_ref[page, h, :].astype(jnp.float32)[None, :]
-  u_raw = jnp.sum(jnp.maximum(qf * kmax, qf * kmin), axis=1)
-  c2 = spec.scale * LOG2E
-  u = _capped(spec, u_raw * c2)
-  n = jnp.maximum(count, 1).astype(jnp.float32)
-  mean = ksum_ref[page, h, :][None, :] / n
-  var = jnp.maximum(ksq_ref[page, h, :][None, :] / n - mean * mean, 0.0)
-  mu2 = jnp.sum(qf * mean, axis=1) * c2
-  var2 = jnp.sum(qf * qf * var, axis=1) * (c2 * c2)
-  e = _capped(spec, jnp.minimum(mu2 + (0.5 * LN2) * var2, u_raw * c2))
-  return u, e
-
-
 # ----------------------------------------------------------------------------
 # One chunk's partials, shared by both kernels
 # ----------------------------------------------------------------------------
@@ -284,15 +244,12 @@ class _Program:
     refs = list(refs[6:])
     self.ks_ref, self.vs_ref = ((refs.pop(0), refs.pop(0)) if spec.fp8
                                 else (None, None))
-    self.sum_refs = (tuple(refs.pop(0) for _ in range(4))
-                     if spec.summaries else None)
     self.sinks_ref = refs.pop(0) if spec.has_sinks else None
     self.b, self.h = b, h
     self.hi = self.len_ref[b]
     self.lo = _window(spec, self.hi)
     self.rows = _Rows(spec, self.hi)
     self.q = plgpu.load(self.q_ref.at[b, h])
-    self.qf = self.q.astype(jnp.float32)
     self.row_ids = jnp.arange(spec.rows_pad, dtype=jnp.int32)
     cs = spec.chunk_tokens
     self.c_lo = self.lo // cs
@@ -321,7 +278,7 @@ class _Program:
     """(acc, l, m) of chunk c against the reference `ref` (base 2)."""
     spec, rows, b, h, hi = self.spec, self.rows, self.b, self.h, self.hi
     s, bk, cs = spec.page_size, spec.block_k, spec.chunk_tokens
-    q, qf = self.q, self.qf
+    q = self.q
     precision = _dot_precision(q.dtype)
     kiota = jnp.arange(bk, dtype=jnp.int32)
 
@@ -333,40 +290,21 @@ class _Program:
       kpos = k0 + kiota
       kin = kpos < hi
       vis = rows.visible(kpos, hi)
-      use = vis
       kmask = kin[:, None]
-      if spec.depth is not None:
-        # Page cut: a page whose bound is below R - depth is not read; its
-        # mass enters the denominator as an estimate.
-        count = jnp.minimum(hi - (k0 // s) * s, s)
-        u, e = _page_stats(spec, qf, self.sum_refs, page, h, count)
-        keep = u >= ref - spec.depth
-        use = vis & keep[:, None]
-        kmask = kmask & _any(keep & rows.ok)
       k = plgpu.load(self.k_ref.at[page, pl.ds(off, bk), h, :], mask=kmask,
                      other=0.0)
       if spec.fp8:
         k = _dequant(k, self.ks_ref[page, h], q.dtype)
       sc = _scores(spec, plgpu.dot(q, k, trans_b=True, precision=precision))
-      m = jnp.maximum(m, jnp.max(jnp.where(use, sc, -jnp.inf), axis=1))
-      rel = sc - ref[:, None]
-      p = jnp.where(use, jnp.exp2(rel), 0.0)
+      m = jnp.maximum(m, jnp.max(jnp.where(vis, sc, -jnp.inf), axis=1))
+      p = jnp.where(vis, jnp.exp2(sc - ref[:, None]), 0.0)
       l = l + jnp.sum(p, axis=1)
-      num = p
-      vmask = kin[:, None]
-      if spec.depth is not None:
-        n_vis = jnp.sum(vis.astype(jnp.float32), axis=1)
-        l = l + jnp.where(keep, 0.0, jnp.exp2(e - ref) * n_vis)
-        # Key cut: weights below 2^-depth of R leave the numerator (their
-        # mass stays in l); a tile with no weight left is not read.
-        num = jnp.where(rel >= -spec.depth, p, 0.0)
-        vmask = vmask & _any2(num > 0.0)
-      v = plgpu.load(self.v_ref.at[page, pl.ds(off, bk), h, :], mask=vmask,
+      v = plgpu.load(self.v_ref.at[page, pl.ds(off, bk), h, :], mask=kmask,
                      other=0.0)
       if spec.fp8:
         v = _dequant(v, self.vs_ref[page, h], q.dtype)
       cdt = q.dtype
-      acc = acc + plgpu.dot(num.astype(cdt), v.astype(cdt),
+      acc = acc + plgpu.dot(p.astype(cdt), v.astype(cdt),
                             precision=precision)
       return acc, l, m
 
@@ -478,8 +416,7 @@ def _full(shape):
 
 @functools.partial(jax.jit, static_argnames=("spec", "fallback"))
 def fold_decode(q, k_pages, v_pages, block_table, lengths, anchors, *,
-                spec: DecodeSpec, summaries=None,
-                sinks=None, k_scales=None, v_scales=None,
+                spec: DecodeSpec, sinks=None, k_scales=None, v_scales=None,
                 fallback: bool = True):
   """Decode attention over a paged cache (see the module docstring).
 
@@ -491,8 +428,6 @@ def fold_decode(q, k_pages, v_pages, block_table, lengths, anchors, *,
       logical page (`page_anchors`; FoldKVCache keeps it up to date).
     k_scales, v_scales: float32 [num_pages, heads_kv] (spec.fp8: the pools
       hold FP8 entries).
-    summaries: (kmax, kmin, ksum, ksumsq) [num_pages, heads_kv, d_pad]
-      (depth only).
     sinks: float32 [heads_q] or None.
     fallback: recompute rows whose maximum exceeds the declared reference by
       more than OVERFLOW_MARGIN (leave True; False is for tests).
@@ -505,8 +440,6 @@ def fold_decode(q, k_pages, v_pages, block_table, lengths, anchors, *,
   ins = [lengths, block_table, q, k_pages, v_pages, anchors]
   if spec.fp8:
     ins.extend([k_scales.astype(jnp.float32), v_scales.astype(jnp.float32)])
-  if spec.summaries:
-    ins.extend(summaries)
   if spec.has_sinks:
     ins.append(sinks.astype(jnp.float32))
   n_in = len(ins)

@@ -1,5 +1,5 @@
-"""Array-level entry points of the decode kernel: query/output layouts,
-page summaries, and a contiguous-cache adapter.
+"""Array-level entry points of the decode kernel: query/output layouts and
+a contiguous-cache adapter.
 
 `paged_decode` takes FlashAttention-style queries [batch, q_len, heads_q,
 head_dim] and returns the same layout; `contiguous_decode` views a contiguous
@@ -42,43 +42,10 @@ def unarrange_output(out, q_len: int, heads_q: int, head_dim: int):
   return x.transpose(0, 2, 1, 3, 4).reshape(b, q_len, heads_q, head_dim)
 
 
-def _tree_sum(x, axis: int):
-  """Sum over `axis` (a power-of-two length) by pairwise elementwise adds:
-  the same bits for any other dimension of x (no reduction heuristics)."""
-  x = jnp.moveaxis(x, axis, 0)
-  while x.shape[0] > 1:
-    n = x.shape[0]
-    if n % 2:
-      x = jnp.concatenate([x, jnp.zeros_like(x[:1])], axis=0)
-      n += 1
-    x = x[: n // 2] + x[n // 2:]
-  return x[0]
-
-
-def page_summaries(k_pages, counts):
-  """(kmax, kmin, ksum, ksumsq) [num_pages, heads_kv, d] of a page pool.
-
-  counts: int32 [num_pages], valid tokens at the start of each page (the
-  rest is ignored). kmax/kmin keep the key dtype (exact), sums are float32.
-  Empty pages get kmax = kmin = 0.
-  """
-  s = k_pages.shape[1]
-  valid = (jnp.arange(s)[None, :] < counts[:, None])[:, :, None, None]
-  kf = k_pages.astype(jnp.float32)
-  lo = jnp.finfo(jnp.float32).min
-  kmax = jnp.max(jnp.where(valid, kf, lo), axis=1)
-  kmin = jnp.min(jnp.where(valid, kf, -lo), axis=1)
-  nonempty = (counts > 0)[:, None, None]
-  kmax = jnp.where(nonempty, kmax, 0.0).astype(k_pages.dtype)
-  kmin = jnp.where(nonempty, kmin, 0.0).astype(k_pages.dtype)
-  z = jnp.where(valid, kf, 0.0)
-  return kmax, kmin, _tree_sum(z, 1), _tree_sum(z * z, 1)
-
-
 def make_spec(*, heads_q: int, heads_kv: int, q_len: int, head_dim: int,
               page_size: int, chunk_tokens: int, dtype, batch: int,
               max_pages: int, softmax_scale=None, softcap: float = 0.0,
-              window_left: int = -1, depth=None, has_sinks: bool = False,
+              window_left: int = -1, has_sinks: bool = False,
               fp8: bool = False, num_splits=None, interpret: bool = False,
               compute_capability=None,
               blocks: DecodeBlocks | None = None) -> DecodeSpec:
@@ -97,9 +64,8 @@ def make_spec(*, heads_q: int, heads_kv: int, q_len: int, head_dim: int,
       page_size=page_size, chunk_tokens=chunk_tokens, block_k=blocks.block_k,
       num_warps=blocks.num_warps, num_stages=blocks.num_stages,
       n_splits=int(num_splits), scale=scale, softcap=float(softcap),
-      left=int(window_left), depth=None if depth is None else int(depth),
-      has_sinks=has_sinks,
-      interpret=interpret, fp8=bool(fp8))
+      left=int(window_left), has_sinks=has_sinks, interpret=interpret,
+      fp8=bool(fp8))
 
 
 def page_anchors(k_pages, block_table):
@@ -112,8 +78,7 @@ def page_anchors(k_pages, block_table):
 def paged_decode(q, k_pages, v_pages, block_table, lengths, *, anchors=None,
                  page_size=None,
                  chunk_tokens: int, softmax_scale=None, sinks=None,
-                 window_left: int = -1, softcap: float = 0.0, depth=None,
-                 summaries=None, num_splits=None,
+                 window_left: int = -1, softcap: float = 0.0, num_splits=None,
                  interpret: bool = False, compute_capability=None,
                  blocks: DecodeBlocks | None = None, fallback: bool = True,
                  return_reference: bool = False, k_scales=None,
@@ -143,12 +108,9 @@ def paged_decode(q, k_pages, v_pages, block_table, lengths, *, anchors=None,
                    page_size=page_size, chunk_tokens=chunk_tokens,
                    dtype=q.dtype, batch=b, max_pages=block_table.shape[1],
                    softmax_scale=softmax_scale, softcap=softcap,
-                   window_left=window_left, depth=depth,
-                   has_sinks=sinks is not None,
+                   window_left=window_left, has_sinks=sinks is not None,
                    fp8=fp8, num_splits=num_splits, interpret=interpret,
                    compute_capability=compute_capability, blocks=blocks)
-  if spec.summaries and summaries is None:
-    raise ValueError("depth decoding needs the page summaries.")
   block_table = jnp.asarray(block_table, jnp.int32)
   if anchors is None:
     if fp8:
@@ -159,8 +121,7 @@ def paged_decode(q, k_pages, v_pages, block_table, lengths, *, anchors=None,
       anchors = page_anchors(k_pages, block_table)
   out, ref = _paged_decode(
       q, k_pages, v_pages, block_table, jnp.asarray(lengths, jnp.int32),
-      anchors, summaries if spec.summaries else None, sinks, k_scales,
-      v_scales, spec=spec, fallback=fallback)
+      anchors, sinks, k_scales, v_scales, spec=spec, fallback=fallback)
   if squeeze:
     out = out[:, 0]
   return (out, ref) if return_reference else out
@@ -168,11 +129,11 @@ def paged_decode(q, k_pages, v_pages, block_table, lengths, *, anchors=None,
 
 @functools.partial(jax.jit, static_argnames=("spec", "fallback"))
 def _paged_decode(q, k_pages, v_pages, block_table, lengths, anchors,
-                  summaries, sinks, k_scales, v_scales, *, spec, fallback):
+                  sinks, k_scales, v_scales, *, spec, fallback):
   b, q_len, hq, d = q.shape
   qa = arrange_queries(q, k_pages.shape[2], spec.d_pad)
   out, ref = fold_decode(qa, k_pages, v_pages, block_table, lengths, anchors,
-                         spec=spec, summaries=summaries, sinks=sinks,
+                         spec=spec, sinks=sinks,
                          k_scales=k_scales, v_scales=v_scales,
                          fallback=fallback)
   return unarrange_output(out, q_len, hq, d), ref
@@ -204,10 +165,5 @@ def contiguous_decode(q, k, v, lengths, *, page_size: int, chunk_tokens: int,
   for name in ("k_scales", "v_scales"):
     if kw.get(name) is not None:
       kw[name] = jnp.reshape(kw[name], (-1, kw[name].shape[-1]))
-  if kw.get("depth") is not None:
-    n = table.shape[1]
-    pos = jnp.arange(n, dtype=jnp.int32)[None, :] * page_size
-    counts = jnp.clip(jnp.asarray(lengths)[:, None] - pos, 0, page_size)
-    kw["summaries"] = page_summaries(kp, counts.reshape(-1))
   return paged_decode(q, kp, vp, table, lengths, page_size=page_size,
                       chunk_tokens=chunk_tokens, **kw)

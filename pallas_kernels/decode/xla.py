@@ -5,12 +5,12 @@ decode kernel's exact semantics (inference only: no autodiff).
 `pallas_kernels.decode.core.decode`. It gathers each sequence's pages into a
 contiguous [batch, max_pages * page_size] view and computes, in float32, what
 the Pallas kernel (`pallas_kernels.decode.kernel`) computes: the same declared
-reference R (the same sampled keys), the same overflow fallback (R := M for
-rows with M - R > OVERFLOW_MARGIN) and the same `depth` cut and mass
-estimate. It is a model of the kernel's arithmetic, not of its summation
-order: results agree with the kernel to rounding, not bitwise. Memory is
-O(batch * max_len): a fallback, not a serving path. FP8 pools are
-dequantised first (`pallas_kernels.decode.fp8.dequantise_pages`, exact).
+reference R (the same sampled keys) and the same overflow fallback (R := M
+for rows with M - R > OVERFLOW_MARGIN). It is a model of the kernel's
+arithmetic, not of its summation order: results agree with the kernel to
+rounding, not bitwise. Memory is O(batch * max_len): a fallback, not a
+serving path. FP8 pools are dequantised first
+(`pallas_kernels.decode.fp8.dequantise_pages`, exact).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.decode.config import SAMPLE_TILE
 from pallas_kernels.decode.kernel import OVERFLOW_MARGIN
-from pallas_kernels.flash.tiles import LN2, LOG2E
+from pallas_kernels.flash.tiles import LOG2E
 from pallas_kernels.reference.decode import gather_pages
 
 __all__ = ["xla_decode"]
@@ -37,22 +37,19 @@ def _capped(x2, softcap: float):
 
 def xla_decode(q, k_pages, v_pages, block_table, lengths, *,
                softmax_scale=None, sinks=None, window_left: int = -1,
-               softcap: float = 0.0, depth=None, summaries=None,
-               return_reference=False):
+               softcap: float = 0.0, return_reference=False):
   """q [batch, (q_len,) heads_q, head_dim] -> same shape, q's dtype.
 
   k_pages, v_pages: [num_pages, page_size, heads_kv, d_pad] in a float dtype
   (head dim may be zero-padded; the padding is ignored); block_table int32
-  [batch, max_pages]; lengths int32 [batch]; summaries as
-  `pallas_kernels.decode.page_summaries` (with depth only). With
-  return_reference, also the float32 declared references [batch, heads_kv,
-  rows] used.
+  [batch, max_pages]; lengths int32 [batch]. With return_reference, also
+  the float32 declared references [batch, heads_kv, rows] used.
   """
   squeeze = q.ndim == 3
   if squeeze:
     q = q[:, None]
   b, q_len, hq, d = q.shape
-  n_pages, s, hkv, _ = k_pages.shape
+  _, s, hkv, _ = k_pages.shape
   g = hq // hkv
   rows = g * q_len
   scale = (1.0 / d ** 0.5) if softmax_scale is None else float(softmax_scale)
@@ -86,48 +83,15 @@ def xla_decode(q, k_pages, v_pages, block_table, lengths, *,
     ref = jnp.maximum(ref, sink2)
   ref = jnp.where(ref == -jnp.inf, 0.0, ref)
 
-  # Per-page quantities, broadcast to keys.
-  n_lp = bt.shape[1]
-  use_summ = depth is not None
-  if use_summ:
-    kmax, kmin, ksum, ksq = (jnp.asarray(x)[..., :d].astype(jnp.float32)
-                             for x in summaries)
-    bt_c = jnp.clip(bt, 0, n_pages - 1)
-    gmax, gmin, gsum, gsq = (x[bt_c] for x in (kmax, kmin, ksum, ksq))
-    # [b, n_lp, hkv, d] -> bound per (b, hkv, rows, n_lp)
-    u_raw = jnp.sum(jnp.maximum(qg[:, :, :, None, :] * gmax.transpose(
-        0, 2, 1, 3)[:, :, None], qg[:, :, :, None, :] * gmin.transpose(
-            0, 2, 1, 3)[:, :, None]), axis=-1)
-    u = _capped(u_raw * c2, softcap)
-    cnt = jnp.clip(lengths[:, None] - jnp.arange(n_lp)[None, :] * s, 1, s)
-    cnt = cnt.astype(jnp.float32)[:, None, None, :]
-    mean = gsum.transpose(0, 2, 1, 3)[:, :, None] / cnt[..., None]
-    var = jnp.maximum(gsq.transpose(0, 2, 1, 3)[:, :, None] / cnt[..., None]
-                      - mean * mean, 0.0)
-    mu2 = jnp.sum(qg[:, :, :, None, :] * mean, axis=-1) * c2
-    var2 = jnp.sum(qg[:, :, :, None, :] ** 2 * var, axis=-1) * (c2 * c2)
-    e = _capped(jnp.minimum(mu2 + 0.5 * LN2 * var2, u_raw * c2), softcap)
-    to_key = lambda x: jnp.repeat(x, s, axis=-1)  # noqa: E731
-
   vv = gather_pages(v_pages, bt)[..., :d].astype(jnp.float32)
 
   def attend(r):
-    use = vis
-    if depth is not None:
-      keep = to_key(u >= r[..., None] - depth)
-      use = vis & keep
-    m = jnp.max(jnp.where(use, sc, -jnp.inf), axis=-1)
-    rel = sc - r[..., None]
-    p = jnp.where(use, jnp.exp2(rel), 0.0)
+    m = jnp.max(jnp.where(vis, sc, -jnp.inf), axis=-1)
+    p = jnp.where(vis, jnp.exp2(sc - r[..., None]), 0.0)
     l = jnp.sum(p, axis=-1)
-    num = p
-    if depth is not None:
-      est = jnp.where(vis & ~keep, jnp.exp2(to_key(e) - r[..., None]), 0.0)
-      l = l + jnp.sum(est, axis=-1)
-      num = jnp.where(rel >= -depth, p, 0.0)
     if sink2 is not None:
       l = l + jnp.exp2(sink2 - r)
-    acc = jnp.einsum("bhrt,bthd->bhrd", num, vv, precision=_HIGHEST)
+    acc = jnp.einsum("bhrt,bthd->bhrd", p, vv, precision=_HIGHEST)
     out = jnp.where((l > 0)[..., None], acc / jnp.where(l > 0, l, 1.0)[
         ..., None], 0.0)
     return out, m
