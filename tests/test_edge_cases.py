@@ -202,6 +202,18 @@ def test_minus_inf_sinks(backend):
   np.testing.assert_array_equal(np.asarray(lse[0, 1, :11]), 0.5)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_minus_inf_sink_on_rows_that_see_no_key(backend):
+  """One head, one key, causal with seq_q > seq_k, a -inf sink: 17 rows see
+  nothing at all; their dsinks term is 0, not NaN (found by hypothesis)."""
+  rng = np.random.default_rng(6)
+  q, k, v, cts = _dense(rng, 1, 18, 1, 1, 1)
+  sinks = jnp.array([-jnp.inf], F32)
+  ours, ref = _dense_fns(backend, causal=True)
+  _, _, grads = _compare(ours, ref, (q, k, v, sinks), cts, TOL[F32])
+  assert float(grads[3][0]) == 0.0
+
+
 # ----------------------------------------------------- varlen lengths ------
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

@@ -128,7 +128,7 @@ def test_dense_xla_matches_reference(case):
 
 
 @settings(max_examples=_examples(6))
-@given(dense_cases(seqs=[1, 7, 18]))
+@given(dense_cases(seqs=[1, 7, 18, 33]))
 def test_dense_interpret_matches_reference(case):
   _check_dense("interpret", case)
 

@@ -542,7 +542,10 @@ class DensePlan(_Kernels):
                    delta, *segs, dq, stream=stream)
       dsinks = None
       if sinks is not None:
+        # A row that saw no key with a -inf sink has a non-finite LSE:
+        # P_sink = 0 there, not exp2(-inf - -inf) = NaN.
         p_sink = torch.exp2(sinks.detach().float()[:, None] * LOG2E - aux)
+        p_sink = torch.where(torch.isfinite(aux), p_sink, 0.0)
         dsinks = -(p_sink * delta).sum(dim=1)
     return dq, dk, dv, dsinks
 

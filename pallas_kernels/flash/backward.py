@@ -444,6 +444,10 @@ def flash_backward(q, k, v, out, lse2, do, cu_seqlens_q, cu_seqlens_k,
   dsinks = None
   if sinks is not None:
     # d lse_i / d sink = exp(sink - lse_i); d out_i / d sink = -P_sink,i out_i.
-    p_sink = jnp.exp2(sinks.astype(jnp.float32)[:, None] * LOG2E - lse2)
+    # Rows that saw no key and a -inf sink have a non-finite LSE: P_sink = 0
+    # there (as in the XLA backward), not exp2(-inf - -inf) = NaN.
+    p_sink = jnp.where(
+        jnp.isfinite(lse2),
+        jnp.exp2(sinks.astype(jnp.float32)[:, None] * LOG2E - lse2), 0.0)
     dsinks = -jnp.sum(p_sink * delta, axis=1)
   return dq, dk, dv, dsinks
