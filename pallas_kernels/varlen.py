@@ -18,7 +18,10 @@ def token_seq_ids(cu_seqlens, total: int) -> jax.Array:
   cu_seqlens[0]."""
   cu = jnp.asarray(cu_seqlens)
   t = jnp.arange(total, dtype=jnp.int32)
-  return jnp.searchsorted(cu, t, side="right").astype(jnp.int32) - 1
+  # Unrolled: no XLA while loop (compute-sanitizer's initcheck flagged a
+  # read in the rolled scan's loop on the GPU); same bits, log2 steps.
+  return jnp.searchsorted(cu, t, side="right",
+                          method="scan_unrolled").astype(jnp.int32) - 1
 
 
 def token_seq_ids_clipped(cu_seqlens, total: int) -> jax.Array:
