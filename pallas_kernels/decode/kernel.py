@@ -41,14 +41,10 @@ rare, and no host round trip); rows that passed keep their R and therefore
 their bits. The check depends only on the row's own data, so the invariances
 hold through the fallback.
 
-fp8: in the main loop the FP8 tiles are converted to q's dtype as loaded and
-the tile's (page, head) scale multiplies the products, q.k^T and P.V, not the
-[block_k, head_dim] tiles (one multiply per score or output element instead
-of a float32 round trip per cache entry). The scales are powers of two, so
-scaling the float32 product is exact and gives the bits of the product over
-the dequantised tiles: the program computes what it would over a cache
-holding the dequantised pages (same bits, half the bytes read). The sampled
-keys of the declared reference are dequantised as loaded (`_dequant`).
+fp8: keys and values are dequantised in registers right after their load,
+(entry * scale).astype(q.dtype); the scales are powers of two, so this is
+exact and the program then runs on the same values as over a cache holding
+the dequantised pages (same bits, half the bytes read).
 
 Every one of these decisions is a function of the row's own data, so the
 invariances above hold for fp8 too.
@@ -297,20 +293,19 @@ class _Program:
       kmask = kin[:, None]
       k = plgpu.load(self.k_ref.at[page, pl.ds(off, bk), h, :], mask=kmask,
                      other=0.0)
-      qk = plgpu.dot(q, k.astype(q.dtype), trans_b=True, precision=precision)
       if spec.fp8:
-        qk = qk * self.ks_ref[page, h]
-      sc = _scores(spec, qk)
+        k = _dequant(k, self.ks_ref[page, h], q.dtype)
+      sc = _scores(spec, plgpu.dot(q, k, trans_b=True, precision=precision))
       m = jnp.maximum(m, jnp.max(jnp.where(vis, sc, -jnp.inf), axis=1))
       p = jnp.where(vis, jnp.exp2(sc - ref[:, None]), 0.0)
       l = l + jnp.sum(p, axis=1)
       v = plgpu.load(self.v_ref.at[page, pl.ds(off, bk), h, :], mask=kmask,
                      other=0.0)
-      cdt = q.dtype
-      pv = plgpu.dot(p.astype(cdt), v.astype(cdt), precision=precision)
       if spec.fp8:
-        pv = pv * self.vs_ref[page, h]
-      acc = acc + pv
+        v = _dequant(v, self.vs_ref[page, h], q.dtype)
+      cdt = q.dtype
+      acc = acc + plgpu.dot(p.astype(cdt), v.astype(cdt),
+                            precision=precision)
       return acc, l, m
 
     t_lo = jnp.maximum(c * cs, self.lo) // bk
