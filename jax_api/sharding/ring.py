@@ -19,7 +19,8 @@ Bitwise identity (1, 2, 4, 8 devices give the same bits):
     exact integer grid (`_grid`, units fixed from exact global maxima), so
     the order in which blocks arrive round the ring does not matter.
 Masks, lse and fully masked rows follow `pallas_kernels.reference.dense`.
-Compute is float32 (inputs are upcast); the output has q's dtype.
+Compute is float32 (each block is upcast where it is used; K/V travel round
+the ring in their own dtype, exact either way); the output has q's dtype.
 """
 
 from __future__ import annotations
@@ -97,8 +98,8 @@ def _ring_step(cfg, x, direction):
 def _row_max(cfg, qB, qpB, qsB, k, kpos, kseg):
   """Pass 1: exact row max [nq, b, hkv, g, B] over every visible key."""
   def over_keys(kv):
-    kB, kpB, ksB = _blocks(kv[0], cfg.block), kv[1].reshape(-1, cfg.block), \
-        _blocks(kv[2], cfg.block)
+    kB, kpB, ksB = (_blocks(kv[0].astype(_F32), cfg.block),
+                    kv[1].reshape(-1, cfg.block), _blocks(kv[2], cfg.block))
 
     def per_q(xs):
       qb, qp, qs = xs
@@ -126,17 +127,17 @@ def _forward(cfg, q, k, v, qpos, qseg, sinks):
   g = hq // hkv
   qB = _blocks(q.astype(_F32).reshape(b, L, hkv, g, d), cfg.block)
   qpB, qsB = qpos.reshape(-1, cfg.block), _blocks(qseg, cfg.block)
-  k, v = k.astype(_F32), v.astype(_F32)
   R = _row_max(cfg, qB, qpB, qsB, k, qpos, qseg)
   if sinks is not None:
     R = jnp.maximum(R, sinks.reshape(1, 1, hkv, g, 1))
   R_safe = jnp.where(jnp.isfinite(R), R, 0.0)
   e_acc = _grid.unit_exponent(
-      jax.lax.pmax(jnp.max(jnp.abs(v)), cfg.axis_name) * cfg.block)
+      jax.lax.pmax(jnp.max(jnp.abs(v)).astype(_F32), cfg.axis_name) *
+      cfg.block)
   e_l = _grid.unit_exponent(float(cfg.block))
 
   def over_keys(acc, kv):
-    kB, vB = _blocks(kv[0], cfg.block), _blocks(kv[1], cfg.block)
+    kB, vB = (_blocks(x.astype(_F32), cfg.block) for x in kv[:2])
     kpB, ksB = kv[2].reshape(-1, cfg.block), _blocks(kv[3], cfg.block)
 
     def per_q(xs):
@@ -208,7 +209,6 @@ def _backward(cfg, q, k, v, qpos, qseg, sinks, out, lse, dout, dlse):
   lB, dlB = rows(lse), rows(dlse)
   qpB, qsB = qpos.reshape(-1, B), _blocks(qseg, B)
   k_dtype, v_dtype = k.dtype, v.dtype
-  k, v = k.astype(_F32), v.astype(_F32)
 
   def pair(qi, kj):
     qb, ob, dob, lb, dlb, qp, qs = qi
@@ -227,7 +227,7 @@ def _backward(cfg, q, k, v, qpos, qseg, sinks, out, lse, dout, dlse):
     return jax.lax.cond(jnp.any(vis), run, skip, None)
 
   def over_keys(dq_acc, kv):
-    kB, vB = _blocks(kv[0], B), _blocks(kv[1], B)
+    kB, vB = (_blocks(x.astype(_F32), B) for x in kv[:2])
     kpB, ksB = kv[2].reshape(-1, B), _blocks(kv[3], B)
 
     def per_k(dq_acc, kj):
