@@ -82,6 +82,30 @@ for name, kw in cases.items():
     assert not np.any(res[0][1][:, 25:]), "masked rows: dq not 0"
     assert not np.any(res[0][2][:, 25:]) and not np.any(res[0][3][:, 25:])
   print("ok", name, errs)
+# bf16 inputs: K/V travel round the ring in bf16 and are upcast per block.
+qb, kb, vb = (x.astype(jnp.bfloat16) for x in (q, k, v))
+def bf16_loss(mesh, n):
+  def loss(q, k, v):
+    out = sharded_attention(zigzag(q, n), zigzag(k, n), zigzag(v, n),
+                            mesh=mesh, block_size=2, causal=True)
+    return jnp.sum(unzigzag(out, n).astype(jnp.float32) * w)
+  return jax.jit(jax.value_and_grad(loss, (0, 1, 2)))
+hlo = bf16_loss(make_mesh(context=8), 8).lower(qb, kb, vb).as_text()
+import re
+assert re.search(r"collective_permute[^\n]*: \(tensor<1x4x2x8xbf16>\)", hlo), \
+    "bf16 K/V do not travel as bf16"
+got = [jax.tree.map(np.asarray, bf16_loss(make_mesh(context=n), n)(qb, kb, vb))
+       for n in (1, 8)]
+assert all(np.array_equal(np.asarray(a, np.float32), np.asarray(c, np.float32))
+           for a, c in zip(jax.tree.leaves(got[0]), jax.tree.leaves(got[1]))), \
+    "bf16: not bitwise across device counts"
+_, gref = jax.value_and_grad(lambda q, k, v: jnp.sum(attention_reference(
+    q, k, v, causal=True)[0] * w), (0, 1, 2))(
+        *(x.astype(jnp.float32) for x in (qb, kb, vb)))
+for a, c in zip(got[0][1], gref):
+  a = np.asarray(a, np.float32)
+  assert np.abs(a - c).max() / (1 + np.abs(c).max()) < 2e-2, "bf16 grads"
+print("ok bf16")
 m = make_mesh(context=8)
 for call, msg in [
     (lambda: sharded_attention(q[:, :24], k[:, :24], v[:, :24], mesh=m,
