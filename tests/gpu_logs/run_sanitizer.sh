@@ -15,15 +15,14 @@ here=$(cd "$(dirname "$0")/../.." && pwd)
 export PYTHONPATH=$here${PYTHONPATH:+:$PYTHONPATH}
 # The sanitizer cannot follow XLA's own allocator: let JAX allocate on demand.
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
-# XLA's gemm autotuner and command buffers (CUDA graphs) crashed the host
-# process under the sanitizer (EXIT 139, H100, 2026-12-07); our kernels are
-# what is checked, so XLA picks its gemms without timing them and launches
-# kernels one by one.
+# Under the sanitizer the process crashed (EXIT 139) while XLA compiled
+# dense_atomic, decode and deberta (H100, 2026-12-07), with or without the
+# flags below: each family first runs once without the sanitizer, filling a
+# persistent compilation cache, so that under it the executables are loaded,
+# not compiled. The flags (no gemm autotuning, no command buffers, one
+# compile thread) are part of the configuration that then ran every family;
+# our kernels are what is checked, not XLA's gemm choice.
 export XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_autotune_level=0 --xla_gpu_enable_command_buffer= --xla_gpu_force_compilation_parallelism=1"
-# XLA's compiler also crashed under the sanitizer (EXIT 139 while compiling
-# dense_atomic, decode, deberta): each family first runs once without it,
-# filling a persistent compilation cache, so that under the sanitizer the
-# executables are loaded, not compiled.
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$out/.jax_cache}
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
 export JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
@@ -33,13 +32,15 @@ FAMILIES=${FAMILIES:-"dense_recompute dense_atomic decode deberta bridge"}
 PY=${PY:-python3}
 summary="$out/summary.txt"
 : > "$summary"
+for fam in $FAMILIES; do  # fill the compilation cache (see above)
+  timeout "$T_RUN" "$PY" "$here/tests/gpu_logs/sanitize_kernels.py" "$fam" \
+    > "$out/warm-$fam.log" 2>&1
+done
 for tool in $TOOLS; do
   extra=()
   [ "$tool" = memcheck ] && extra=(--leak-check no)
   for fam in $FAMILIES; do
     log="$out/$tool-$fam.log"
-    timeout "$T_RUN" "$PY" "$here/tests/gpu_logs/sanitize_kernels.py" "$fam" \
-      > "$out/warm-$tool-$fam.log" 2>&1
     start=$(date +%s)
     timeout --kill-after=5 "$T_RUN" compute-sanitizer --tool "$tool" \
       "${extra[@]}" --print-limit 50 --error-exitcode 9 \
