@@ -401,7 +401,13 @@ def flash_backward(q, k, v, out, lse2, do, cu_seqlens_q, cu_seqlens_k,
     dq_acc, dk, dv = outs
     grid_step = preprocess.pow2(grid_exp - DQ_GRID_BITS)  # 2^(e - 29)
     dq = dq_acc[:total_q, :, :, :head_dim].reshape(total_q, heads_q, head_dim)
-    dq = (dq.astype(jnp.float32) * grid_step.T[:, :, None]).astype(q.dtype)
+    # int32 sums cannot carry NaN: a row that reads a non-finite value (its
+    # own q, or a k or v it sees) has a non-finite D or a NaN LSE (+inf is a
+    # row that sees no key), and its dQ is NaN, as the float path gives.
+    poisoned = jnp.logical_not(jnp.isfinite(delta)) | jnp.isnan(lse2)
+    dq = jnp.where(poisoned.T[:, :, None], jnp.nan,
+                   dq.astype(jnp.float32) * grid_step.T[:, :, None])
+    dq = dq.astype(q.dtype)
   else:
     dk, dv = outs
     dqb = dq_blocks if dq_blocks is not None else blocks.dq_blocks

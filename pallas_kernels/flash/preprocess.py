@@ -181,8 +181,14 @@ def backward_rows(out, do, dlse, k, v, cu_seqlens_q, cu_seqlens_k, *,
         interpret=interpret,
         name="fold_flash_backward_key_norms",
     )(cu_seqlens_k, v, jnp.zeros((heads_kv, total_k), jnp.float32))
-    k_abs_max = jnp.max(jnp.abs(k.astype(jnp.float32)), axis=-1)  # [tk, hkv]
+    # Maxima of the finite entries only: a non-finite key must not move the
+    # grid of rows that never see it (the rows that do are set to NaN by
+    # `flash_backward`, since int32 sums cannot carry it).
+    k_abs = jnp.abs(k.astype(jnp.float32))
+    k_abs_max = jnp.max(jnp.where(jnp.isfinite(k_abs), k_abs, 0.0),
+                        axis=-1)  # [tk, hkv]
     k_max = _segment_max(k_abs_max, k_seq, num_seqs)  # [num_seqs, hkv]
+    v_norm = jnp.where(jnp.isfinite(v_norm), v_norm, 0.0)
     v_max = _segment_max(v_norm.T, k_seq, num_seqs)
     in_specs += [tiles.full_spec(k_max.shape), tiles.full_spec(v_max.shape)]
     args += [k_max, v_max]

@@ -117,6 +117,26 @@ class XlaConfig:
       return self.softcap * t, t
     return s, None
 
+  def visible_dot(self, spec, a, b, vis):
+    """`self.dot(spec, a, b)` where `a` is exactly 0 on the pairs `vis`
+    (broadcastable to a) hides.
+
+    A chunk shares one product between visible and hidden pairs (causal
+    diagonals, other sequences of a packed batch), and 0 * NaN = NaN: a
+    non-finite entry of b would reach every output of the product. Here it
+    reaches exactly the outputs with a visible pair on it, as NaN; the
+    second product runs only for chunks that hold a non-finite value.
+    """
+    bad = jnp.logical_not(jnp.isfinite(b))
+
+    def poisoned():
+      hits = self.dot(spec, jnp.broadcast_to(vis, a.shape), bad)
+      return jnp.where(hits > 0, jnp.nan,
+                       self.dot(spec, a, jnp.where(bad, 0, b)))
+
+    return jax.lax.cond(jnp.any(bad), poisoned,
+                        lambda: self.dot(spec, a, b))
+
   def mask(self, qs: MaskSpec, ks: MaskSpec):
     """[b, 1, 1, cq, ck] visibility of a query block and key chunk."""
     vis = visibility(qs, ks, causal=self.causal, window_size=self.window_size)
@@ -161,7 +181,8 @@ def forward(cfg: XlaConfig, q, k, v, q_spec, k_spec, sinks):
       alpha = jnp.exp(m - m_safe)  # 0 while m is -inf
       p = jnp.where(vis, jnp.exp(s - m_safe[..., None]), 0.0)
       l = alpha * l + jnp.sum(p, axis=-1)
-      acc = alpha[..., None] * acc + cfg.dot("bhgqk,bkhd->bhgqd", p, vc)
+      acc = alpha[..., None] * acc + cfg.visible_dot("bhgqk,bkhd->bhgqd", p,
+                                                     vc, vis)
       return (m_new, l, acc), None
 
     m0 = jnp.full((b, hkv, g, cq), -jnp.inf, _F32)
@@ -242,9 +263,10 @@ def backward(cfg: XlaConfig, q, k, v, q_spec, k_spec, sinks, out, lse, dout,
       ds = p * (dp - delta_b[..., None])
       if t is not None:
         ds = ds * (1.0 - t * t)
-      ds = ds * cfg.scale
-      dq = dq + cfg.dot("bhgqk,bkhd->bqhgd", ds, kc)
-      dk_c = cfg.dot("bhgqk,bqhgd->bkhd", ds, qb)
+      # Exact zeros on hidden pairs (dP or D may be non-finite there).
+      ds = jnp.where(vis, ds * cfg.scale, 0.0)
+      dq = dq + cfg.visible_dot("bhgqk,bkhd->bqhgd", ds, kc, vis)
+      dk_c = cfg.visible_dot("bhgqk,bqhgd->bkhd", ds, qb, vis)
       return dq, (dk_c, dv_c)
 
     dq0 = jnp.zeros((b, cq, hkv, g, d), _F32)
