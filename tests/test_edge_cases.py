@@ -352,7 +352,7 @@ def _nan_expectation(layout, which):
 # an H100, 2026-12-07) but slowed the kernels, measured on B2 H16 S8192
 # D128 bf16 causal / 4-segment causal / ragged varlen: as a branch-free tile
 # fix forward +1% / +30% / +9%, forward+backward +6% / +112% / +10%; behind
-# a branch +11% / +48% / +17% and +59% / +81% / +56%
+# a branch +12% / +48% / +17% and +59% / +81% / +56%
 # (benchmarks/results/h100/session-2026-12-07b): not shipped; open, issue
 # 30. The XLA backend is exact (the same fix per key chunk, behind a branch).
 _LEAK = "0 * NaN in a matmul over hidden pairs (see KNOWN_LEAKS)"

@@ -67,6 +67,13 @@ def _unblocks(x):
   return x.reshape((x.shape[0], x.shape[1] * x.shape[2]) + x.shape[3:])
 
 
+def _nonfinite_blocks(x):
+  """[n] bool: whether block i of x [n, ...] holds a NaN or Inf (once per
+  block, not once per pair of the scans)."""
+  return jnp.logical_not(jnp.all(jnp.isfinite(x), axis=tuple(
+      range(1, x.ndim))))
+
+
 def _spec_blocks(spec: MaskSpec, block: int) -> MaskSpec:
   return MaskSpec(*(_blocks(jnp.asarray(a, jnp.int32), block) for a in spec))
 
@@ -117,9 +124,10 @@ class XlaConfig:
       return self.softcap * t, t
     return s, None
 
-  def visible_dot(self, spec, a, b, vis):
+  def visible_dot(self, spec, a, b, vis, b_has_nonfinite):
     """`self.dot(spec, a, b)` where `a` is exactly 0 on the pairs `vis`
-    (broadcastable to a) hides.
+    (broadcastable to a) hides; b_has_nonfinite: scalar bool, whether b
+    holds a NaN or Inf (`_nonfinite_blocks`, computed once per block).
 
     A chunk shares one product between visible and hidden pairs (causal
     diagonals, other sequences of a packed batch), and 0 * NaN = NaN: a
@@ -134,7 +142,7 @@ class XlaConfig:
       return jnp.where(hits > 0, jnp.nan,
                        self.dot(spec, a, jnp.where(bad, 0, b)))
 
-    return jax.lax.cond(jnp.any(bad), poisoned,
+    return jax.lax.cond(b_has_nonfinite, poisoned,
                         lambda: self.dot(spec, a, b))
 
   def mask(self, qs: MaskSpec, ks: MaskSpec):
@@ -172,7 +180,7 @@ def forward(cfg: XlaConfig, q, k, v, q_spec, k_spec, sinks):
 
     def k_step(carry, ys):
       m, l, acc = carry
-      kc, vc, ks = ys
+      kc, vc, ks, v_bad = ys
       s, _ = cfg.scores(qb, kc)
       vis = cfg.mask(qs, ks)
       s = jnp.where(vis, s, -jnp.inf)
@@ -182,14 +190,15 @@ def forward(cfg: XlaConfig, q, k, v, q_spec, k_spec, sinks):
       p = jnp.where(vis, jnp.exp(s - m_safe[..., None]), 0.0)
       l = alpha * l + jnp.sum(p, axis=-1)
       acc = alpha[..., None] * acc + cfg.visible_dot("bhgqk,bkhd->bhgqd", p,
-                                                     vc, vis)
+                                                     vc, vis, v_bad)
       return (m_new, l, acc), None
 
     m0 = jnp.full((b, hkv, g, cq), -jnp.inf, _F32)
     l0 = jnp.zeros((b, hkv, g, cq), _F32)
     acc0 = jnp.zeros((b, hkv, g, cq, d), _F32)
-    (m, l, acc), _ = jax.lax.scan(k_step, (m0, l0, acc0),
-                                  (k_chunks, v_chunks, ks_chunks))
+    (m, l, acc), _ = jax.lax.scan(
+        k_step, (m0, l0, acc0),
+        (k_chunks, v_chunks, ks_chunks, _nonfinite_blocks(v_chunks)))
     if sink is not None:
       m_fin = jnp.maximum(m, sink)
       m_safe = jnp.where(m_fin == -jnp.inf, 0.0, m_fin)
@@ -246,15 +255,16 @@ def backward(cfg: XlaConfig, q, k, v, q_spec, k_spec, sinks, out, lse, dout,
   k_chunks = _blocks(_pad_axis1(k, sk_pad, 0), ck)
   v_chunks = _blocks(_pad_axis1(v, sk_pad, 0), ck)
   ks_chunks = _spec_blocks(_pad_spec(k_spec, sk_pad), ck)
+  k_bad = _nonfinite_blocks(k_chunks)
 
   def q_step(carry, xs):
     dk_acc, dv_acc = carry  # [nk, b, ck, hkv, d] float32
-    qb, dob, qs, lse_b, delta_b = xs
+    qb, dob, qs, lse_b, delta_b, q_bad = xs
     # dO in the layout of P: [b, hkv, g, cq, d]
     do_t = jnp.moveaxis(dob, 1, 3)
 
     def k_step(dq, ys):
-      kc, vc, ks = ys
+      kc, vc, ks, k_bad = ys
       s, t = cfg.scores(qb, kc)
       vis = cfg.mask(qs, ks)
       p = jnp.where(vis, jnp.exp(s - lse_b[..., None]), 0.0)
@@ -265,19 +275,20 @@ def backward(cfg: XlaConfig, q, k, v, q_spec, k_spec, sinks, out, lse, dout,
         ds = ds * (1.0 - t * t)
       # Exact zeros on hidden pairs (dP or D may be non-finite there).
       ds = jnp.where(vis, ds * cfg.scale, 0.0)
-      dq = dq + cfg.visible_dot("bhgqk,bkhd->bqhgd", ds, kc, vis)
-      dk_c = cfg.visible_dot("bhgqk,bqhgd->bkhd", ds, qb, vis)
+      dq = dq + cfg.visible_dot("bhgqk,bkhd->bqhgd", ds, kc, vis, k_bad)
+      dk_c = cfg.visible_dot("bhgqk,bqhgd->bkhd", ds, qb, vis, q_bad)
       return dq, (dk_c, dv_c)
 
     dq0 = jnp.zeros((b, cq, hkv, g, d), _F32)
     dq, (dk_c, dv_c) = jax.lax.scan(k_step, dq0,
-                                    (k_chunks, v_chunks, ks_chunks))
+                                    (k_chunks, v_chunks, ks_chunks, k_bad))
     return (dk_acc + dk_c, dv_acc + dv_c), dq
 
   zeros_kv = jnp.zeros((nk, b, ck, hkv, d), _F32)
   (dk, dv), dq = jax.lax.scan(
       q_step, (zeros_kv, zeros_kv),
-      (q_blocks, do_blocks, qs_blocks, qblk(lse_safe), qblk(delta)))
+      (q_blocks, do_blocks, qs_blocks, qblk(lse_safe), qblk(delta),
+       _nonfinite_blocks(q_blocks)))
   dq = _unblocks(dq)[:, :sq].reshape(b, sq, hq, d).astype(q.dtype)
   dk = _unblocks(dk)[:, :sk].astype(k.dtype)
   dv = _unblocks(dv)[:, :sk].astype(v.dtype)
