@@ -366,14 +366,16 @@ def test_gpu_matches_reference_long_gqa(compiler, head_dim, monkeypatch):
 @pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU")
 def test_gpu_pip_triton_lowering_is_taken(monkeypatch):
   """Which kernels lower to jaxlib's Triton call (a pip-Triton cubin) and
-  which to XLA's Triton compile: FOLDAX_KERNEL_COMPILER=triton all four
-  (forward, D_i, dK/dV, dQ), xla none, auto the D128 forward only (the
-  shipped table's pip-Triton entry); every setting gives the same result
+  which to XLA's Triton compile: FOLDAX_KERNEL_COMPILER=triton all seven
+  (forward, D_i, dK/dV, dQ and the three `_contain` twins), xla none, auto
+  the D128 forward and its twin only (the shipped table's pip-Triton entry); every setting gives the same result
   to rounding."""
   rng = np.random.default_rng(3)
   q, do = (_rand(rng, (2, 777, 8, 128), jnp.bfloat16) for _ in range(2))
   k, v = (_rand(rng, (2, 777, 2, 128), jnp.bfloat16) for _ in range(2))
-  expect = {"xla": (0, 4), "triton": (4, 0), "auto": (1, 3)}
+  # Seven kernels: each of forward, dK/dV and dQ has its `_contain` twin
+  # (same compiler), and the preprocess.
+  expect = {"xla": (0, 7), "triton": (7, 0), "auto": (2, 5)}
   got = {}
   for setting, (n_ffi, n_xla) in expect.items():
     _use_compiler(monkeypatch, setting)

@@ -115,19 +115,23 @@ def test_flash_kernels_lower_to_jaxlib_triton_call(fake_h200, monkeypatch):
                                        max_seqlen_q=128)),
       (q, kv, kv, cu, cu))
   text = "\n".join(texts)
-  assert text.count("triton_kernel_call_ffi") == 4
+  assert text.count("triton_kernel_call_ffi") == 7
   assert "__gpu$xla.gpu.triton" not in text
   names = [c["name"] for c in calls]
-  assert names == ["fold_flash_forward", "fold_flash_backward_preprocess",
-                   "fold_flash_backward_dkdv", "fold_flash_backward_dq"]
+  assert names == ["fold_flash_forward", "fold_flash_forward_contain",
+                   "fold_flash_backward_preprocess",
+                   "fold_flash_backward_dkdv",
+                   "fold_flash_backward_dkdv_contain",
+                   "fold_flash_backward_dq", "fold_flash_backward_dq_contain"]
   for c in calls:
     assert c["cc"] == 90 and c["cubin"] > 0 and c["ptrs"] == c["n"], c
   # (heads per wave, tiles, sequences x waves): small heads fit one wave.
   assert calls[0]["grid"] == (hq, 2, 2) and calls[0]["warps"] == 4
-  assert calls[2]["grid"] == (hkv, 2, 2)
+  assert calls[3]["grid"] == (hkv, 2, 2)
   # The capture ran Pallas' rule: no further pip-Triton compile.
-  assert [n for n, _, _ in captured] == ["fold_flash_forward"]
-  assert len(calls) == 4
+  assert [n for n, _, _ in captured] == ["fold_flash_forward",
+                                         "fold_flash_forward_contain"]
+  assert len(calls) == 7
 
 
 def _lower_small_forward() -> str:
@@ -172,8 +176,12 @@ def test_compile_failure_under_auto_falls_back_once(fake_h200, monkeypatch,
     _lower_small_forward()
   assert "__gpu$xla.gpu.triton" in text
   assert "triton_kernel_call_ffi" not in text
-  said = [r for r in caplog.records if "ptxas exploded" in r.getMessage()]
-  assert len(said) == 1
+  said = [r.getMessage() for r in caplog.records
+          if "ptxas exploded" in r.getMessage()]
+  # Once per kernel (the forward and its `_contain` twin), not per lowering.
+  assert len(said) == 2
+  assert "compile fold_flash_forward " in said[0]
+  assert "compile fold_flash_forward_contain " in said[1]
   monkeypatch.setenv("FOLDAX_KERNEL_COMPILER", "triton")
   with pytest.raises(RuntimeError, match="ptxas exploded"):
     _lower_small_forward()

@@ -832,7 +832,7 @@ def test_direct_launch_captures_every_kernel(fake_h200, monkeypatch, has_sinks,
                          has_segments)
   plan = _direct.DensePlan(static, shape, (9, 0),
                            compile_kernels=compile_kernels)
-  assert set(plan.ir) == {"fold_flash_forward"}  # the backward's: lazily
+  assert set(plan.ir) == set(_direct.DensePlan._FWD)  # the backward's: lazily
   plan.ensure_backward()
   assert set(plan.ir) == set(_direct._KERNELS)
   # (heads per wave, tiles, sequences x waves): query heads except for dK/dV
@@ -880,7 +880,7 @@ def test_xla_cubin_reading(fake_h200):
   plan = _direct.DensePlan(static, shape, (9, 0))
   plan.ensure_backward()
   assert plan.xla == {}  # no GPU JAX backend here: pip Triton's code
-  names = _direct._KERNELS[1:]
+  names = _direct.DensePlan._BWD
   cubins = [plan.kernels[n].kernel for n in names]
   blob = b"\x7fELF-not-an-image" + b"pad".join(cubins) + b"\x7fELF"
   assert _xla_cubin.elf_images(blob) == cubins
@@ -913,7 +913,9 @@ def test_xla_cubin_reading(fake_h200):
   parts = list(_xla_cubin._unpacked(b"prefix" + riegeli))
   assert [e for p in parts for e in _xla_cubin.elf_images(p)] == [cubins[1]]
   params = {"fold_flash_backward_preprocess": 6,
-            "fold_flash_backward_dkdv": 10, "fold_flash_backward_dq": 9}
+            "fold_flash_backward_dkdv": 11, "fold_flash_backward_dq": 10,
+            "fold_flash_backward_dkdv_contain": 13,
+            "fold_flash_backward_dq_contain": 11}
   for name, elf in zip(names, cubins):
     assert _xla_cubin.functions(elf) == [name]
     layout = _xla_cubin.param_layout(elf, name)
@@ -974,7 +976,7 @@ def test_gpu_direct_launch_matches_jax_path(monkeypatch, causal, window,
   assert set(plan.kernels) == set(_direct._KERNELS)
   # The backward's kernels run the compile asked for (XLA's: what jax.jit
   # runs), each through the lean launcher: no hooks are set.
-  assert set(plan.xla) == (set(_direct._KERNELS[1:]) if bwd_code == "xla"
+  assert set(plan.xla) == (set(_direct.DensePlan._BWD) if bwd_code == "xla"
                            else set())
   assert set(plan._fast) == set(_direct._KERNELS)
   again = run()

@@ -67,8 +67,12 @@ LOG2E = 1.4426950408889634
 
 _lock = threading.Lock()
 _plans: dict = {}
-_KERNELS = ("fold_flash_forward", "fold_flash_backward_preprocess",
-            "fold_flash_backward_dkdv", "fold_flash_backward_dq")
+# Each fast kernel flags the tiles whose result holds a non-finite value; its
+# `_contain` twin redoes only those (see `pallas_kernels.flash.forward`).
+_KERNELS = ("fold_flash_forward", "fold_flash_forward_contain",
+            "fold_flash_backward_preprocess", "fold_flash_backward_dkdv",
+            "fold_flash_backward_dkdv_contain", "fold_flash_backward_dq",
+            "fold_flash_backward_dq_contain")
 
 
 def enabled() -> bool:
@@ -319,8 +323,8 @@ class DensePlan(_Kernels):
   captured and compiled when the plan is made, the backward's three on the
   first backward (inference never pays for them)."""
 
-  _FWD = ("fold_flash_forward",)
-  _BWD = _KERNELS[1:]
+  _FWD = _KERNELS[:2]
+  _BWD = _KERNELS[2:]
 
   def __init__(self, static, shape: _Shape, cc, *, compile_kernels=True):
     from torch_bridge._jax_side import attn_config
@@ -399,10 +403,17 @@ class DensePlan(_Kernels):
         "fold_flash_backward_dq": (dqb.num_warps, dqb.num_stages),
     }
     seg = 2 * int(s.has_segments)
-    n_ptrs = {"fold_flash_forward": 7 + int(s.has_sinks) + seg,
+    # Fast kernels: inputs, outputs, flags. Their _contain twins: inputs,
+    # flags, the fast outputs (aliased: passed twice, in and out).
+    n_ptrs = {"fold_flash_forward": 8 + int(s.has_sinks) + seg,
+              "fold_flash_forward_contain": 10 + int(s.has_sinks) + seg,
               "fold_flash_backward_preprocess": 6,
-              "fold_flash_backward_dkdv": 10 + seg,
-              "fold_flash_backward_dq": 9 + seg}
+              "fold_flash_backward_dkdv": 11 + seg,
+              "fold_flash_backward_dkdv_contain": 13 + seg,
+              "fold_flash_backward_dq": 10 + seg,
+              "fold_flash_backward_dq_contain": 11 + seg}
+    for name in list(launch):
+      launch[name + "_contain"] = launch[name]
     for name in names:
       self._add(name, *irs[name], n_ptrs[name], *launch[name], self.cc)
     if (names == self._BWD and self.compile_kernels and
@@ -495,8 +506,12 @@ class DensePlan(_Kernels):
         args += self._segs(q_seg, k_seg)
       if sinks is not None:
         args.append(sinks.detach().float().contiguous())
-      self._launch("fold_flash_forward", *args, out, aux,
-                   stream=_raw_stream(dev))
+      flags = q.new_empty((s.hq, s.b * s.sq), dtype=torch.int32)
+      stream = _raw_stream(dev)
+      self._launch("fold_flash_forward", *args, out, aux, flags,
+                   stream=stream)
+      self._launch("fold_flash_forward_contain", *args, flags, out, aux,
+                   out, aux, stream=stream)
     lse = None
     if need_lse:
       lse = torch.where(aux == float("inf"), float("-inf"), aux * LN2)
@@ -536,10 +551,17 @@ class DensePlan(_Kernels):
       # grouped views: [total, hkv, group, d] and [hkv, group, total] are
       # the same memory as [total, hq, d] and [hq, total].
       segs = self._segs(q_seg, k_seg) if q_seg is not None else ()
-      self._launch("fold_flash_backward_dkdv", cu_q, cu_k, q, k, v, dout,
-                   aux, delta, *segs, dk, dv, stream=stream)
-      self._launch("fold_flash_backward_dq", cu_q, cu_k, q, k, v, dout, aux,
-                   delta, *segs, dq, stream=stream)
+      kflags = k.new_empty((s.hkv, s.b * s.sk), dtype=torch.int32)
+      qflags = aux.new_empty(aux.shape, dtype=torch.int32)
+      rows = (cu_q, cu_k, q, k, v, dout, aux, delta, *segs)
+      self._launch("fold_flash_backward_dkdv", *rows, dk, dv, kflags,
+                   stream=stream)
+      self._launch("fold_flash_backward_dkdv_contain", *rows, kflags, dk, dv,
+                   dk, dv, stream=stream)
+      self._launch("fold_flash_backward_dq", *rows, dq, qflags,
+                   stream=stream)
+      self._launch("fold_flash_backward_dq_contain", *rows, qflags, dq, dq,
+                   stream=stream)
       dsinks = None
       if sinks is not None:
         # A row that saw no key with a -inf sink has a non-finite LSE:

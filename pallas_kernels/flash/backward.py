@@ -38,6 +38,14 @@ every value a row's gradients depend on is computed the same way whatever
 else is in the batch.
 
 Layouts are those of `pallas_kernels.flash.forward` (packed tokens).
+
+Non-finite inputs, as in the forward: the fast dK/dV and dQ launches flag
+the tiles whose result holds a NaN or Inf (and, for the integer-grid dQ,
+key tiles holding a non-finite k, whose hidden pairs would send wrong
+integer partials); `_contain` launches redo only those tiles, taking the
+finite part of q (dK/dV) or k (dQ) and zeroing dS on hidden pairs in
+masked steps. Under the integer-grid dQ, every dQ row of a flagged key
+tile's sequence and KV head is recomputed by the containing dQ kernel.
 """
 
 from __future__ import annotations
@@ -66,16 +74,19 @@ token_sequence_ids = preprocess.token_sequence_ids
 def _backward_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
                      delta_ref, *refs, cfg: MaskConfig,
                      block_q: int, block_k: int, head_dim: int, group: int,
-                     dq_mode: str, order: tiles.LaunchOrder):
+                     dq_mode: str, order: tiles.LaunchOrder,
+                     contain: bool):
   refs = list(refs)
   inv_grid_ref = refs.pop(0) if dq_mode == "atomic" else None
   q_seg_ref = k_seg_ref = None
   if cfg.has_segments:
     q_seg_ref, k_seg_ref = refs.pop(0), refs.pop(0)
-  if dq_mode == "atomic":
-    _, dq_ref, dk_ref, dv_ref = refs  # refs[0] is dq's aliased input
+  if contain:  # flags in; dK, dV aliased to the fast launch's; no dQ
+    flag_ref, _, _, dk_ref, dv_ref = refs
+  elif dq_mode == "atomic":
+    _, dq_ref, dk_ref, dv_ref, flag_ref = refs  # refs[0]: dq's aliased input
   else:
-    dk_ref, dv_ref = refs
+    dk_ref, dv_ref, flag_ref = refs
 
   # First key tiles first (not order.reverse): under a causal mask every
   # query sees them, so the longest programs start first.
@@ -89,7 +100,7 @@ def _backward_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
   dtype = q_ref.dtype
   precision = dot_precision(dtype)
 
-  @pl.when(k0 < len_k)
+  @tiles.when_flagged(k0 < len_k, flag_ref, k_off + k0, contain)
   def _():
     head_mask = tiles.head_dim_mask(head_dim, d_pad)
     k_pos = k0 + jnp.arange(block_k)
@@ -104,6 +115,10 @@ def _backward_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
                     other=0.0)
     v = tiles.load(v_ref.at[pl.ds(kv_start, block_k), :], mask=kv_load_mask,
                     other=0.0)
+    # The atomic dQ's partials take k as it is: a non-finite k flags its
+    # tile (checked here, while the tile is in registers).
+    k_bad = (tiles.has_non_finite(k) if dq_mode == "atomic" and not contain
+             else None)
     k_seg = None
     if cfg.has_segments:
       k_seg = tiles.load(k_seg_ref.at[pl.ds(k_off + k0, block_k)],
@@ -133,10 +148,16 @@ def _backward_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
       lse2 = tiles.load(lse_ref.at[g, rows], mask=row_valid, other=0.0)
       delta = tiles.load(delta_ref.at[g, rows], mask=row_valid, other=0.0)
       inv_grid = None
-      if dq_mode == "atomic":
+      if dq_mode == "atomic" and not contain:
         inv_grid = tiles.load(inv_grid_ref.at[g, rows], mask=row_valid,
                               other=0.0)
 
+      if masked and contain:
+        # dK's product meets hidden pairs with dS = 0, and 0 * NaN = NaN:
+        # it takes q's finite part. A row holding a non-finite q entry has
+        # a NaN LSE or D (its forward row is NaN), so its visible pairs
+        # still carry NaN into dK through dS.
+        q, _ = tiles.finite_part(q)
       s_t = tiles.scores_log2(
           cfg, plgpu.dot(k, q, trans_b=True, precision=precision))
       p_t = jnp.exp2(s_t - lse2[None, :])  # [block_k, block_q]
@@ -149,12 +170,14 @@ def _backward_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
       dv = dv + plgpu.dot(p_t.astype(dtype), do, precision=precision)
       dp_t = plgpu.dot(v, do, trans_b=True, precision=precision)
       ds_t = p_t * (dp_t - delta[None, :])
+      if masked and contain:  # P = 0 does not hide a NaN dP (bad v) or D
+        ds_t = jnp.where(vis.T, ds_t, 0.0)
       if cfg.softcap > 0.0:
         t = s_t * (LN2 / cfg.softcap)  # tanh(x / softcap)
         ds_t = ds_t * (1.0 - t * t)
       ds_t = ds_t.astype(dtype)
       dk = dk + plgpu.dot(ds_t, q, precision=precision)
-      if dq_mode == "atomic":
+      if dq_mode == "atomic" and not contain:
         dq_part = plgpu.dot(ds_t, k, trans_a=True, precision=precision)
         dq_int = jnp.floor(dq_part * (cfg.scale * inv_grid)[:, None] + 0.5)
         relaxed_atomic_add(dq_ref, (rows, g, slice(None)),
@@ -179,18 +202,30 @@ def _backward_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
                 (dk * cfg.scale).astype(dk_ref.dtype), mask=kv_mask)
     plgpu.store(dv_ref.at[pl.ds(k_off + k0, block_k), :],
                 dv.astype(dv_ref.dtype), mask=kv_mask)
+    if not contain:
+      # A non-finite dK or dV tile may hold a hidden pair's 0 * NaN: the
+      # second launch redoes it (and, for the atomic dQ, its sequence's dQ).
+      bad = jnp.maximum(tiles.has_non_finite(dk), tiles.has_non_finite(dv))
+      if k_bad is not None:
+        bad = jnp.maximum(bad, k_bad)
+      plgpu.store(flag_ref.at[pl.ds(k_off + k0, block_k)],
+                  jnp.broadcast_to(bad, (block_k,)),
+                  mask=jnp.arange(block_k) < len_k - k0)
 
 
 def _dq_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
                delta_ref, *refs, cfg: MaskConfig, block_q: int, block_k: int,
-               head_dim: int, order: tiles.LaunchOrder):
+               head_dim: int, order: tiles.LaunchOrder, contain: bool):
   """dQ without atomics: a program owns a query tile and recomputes P and dS
   for every key tile it sees (two more products than the atomic path)."""
   refs = list(refs)
   q_seg_ref = k_seg_ref = None
   if cfg.has_segments:
     q_seg_ref, k_seg_ref = refs.pop(0), refs.pop(0)
-  (dq_ref,) = refs
+  if contain:  # flags in; dQ aliased to the fast launch's
+    flag_ref, _, dq_ref = refs
+  else:
+    dq_ref, flag_ref = refs
   # Last query tiles first (order.reverse): under a causal mask they see
   # the most keys, so the longest programs start first.
   q_blk, seq, _ = order.program()
@@ -203,7 +238,7 @@ def _dq_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
   dtype = q_ref.dtype
   precision = dot_precision(dtype)
 
-  @pl.when(q0 < len_q)
+  @tiles.when_flagged(q0 < len_q, flag_ref, q_off + q0, contain)
   def _():
     head_mask = tiles.head_dim_mask(head_dim, d_pad)
     q_pos = q0 + jnp.arange(block_q)
@@ -238,6 +273,8 @@ def _dq_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
                      other=0.0)
       v = tiles.load(v_ref.at[pl.ds(k_off + k0, block_k), :], mask=kv_mask,
                      other=0.0)
+      if masked and contain:  # dS = 0 meets a non-finite k: its finite part
+        k, _ = tiles.finite_part(k)
       s = tiles.scores_log2(
           cfg, plgpu.dot(q, k, trans_b=True, precision=precision))
       p = jnp.exp2(s - lse2[:, None])
@@ -250,6 +287,8 @@ def _dq_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
         p = jnp.where(vis, p, 0.0)
       dp = plgpu.dot(do, v, trans_b=True, precision=precision)
       ds = p * (dp - delta[:, None])
+      if masked and contain:  # P = 0 does not hide a NaN dP (bad v)
+        ds = jnp.where(vis, ds, 0.0)
       if cfg.softcap > 0.0:
         t = s * (LN2 / cfg.softcap)
         ds = ds * (1.0 - t * t)
@@ -266,6 +305,10 @@ def _dq_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
         (jnp.arange(block_q) < len_q - q0)[:, None], head_mask)
     plgpu.store(dq_ref.at[rows, :], (dq * cfg.scale).astype(dq_ref.dtype),
                 mask=row_mask)
+    if not contain:  # see _backward_kernel's flags
+      plgpu.store(flag_ref.at[rows],
+                  jnp.broadcast_to(tiles.has_non_finite(dq), (block_q,)),
+                  mask=jnp.arange(block_q) < len_q - q0)
 
 
 @functools.partial(
@@ -370,9 +413,11 @@ def flash_backward(q, k, v, out, lse2, do, cu_seqlens_q, cu_seqlens_k,
     seg_args = [q_segment_ids, kv_segment_ids]
   in_specs += seg_specs
   args += seg_args
-  out_specs = [kv_spec, kv_spec]
+  kflag_spec = pl.BlockSpec((None, total_k), lambda *ids: (kv_head(*ids), 0))
+  kflag_shape = jax.ShapeDtypeStruct((heads_kv, total_k), jnp.int32)
+  out_specs = [kv_spec, kv_spec, kflag_spec]
   out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype),
-               jax.ShapeDtypeStruct(v.shape, v.dtype)]
+               jax.ShapeDtypeStruct(v.shape, v.dtype), kflag_shape]
   aliases = {}
   if dq_mode == "atomic":
     in_specs.append(dq_spec)
@@ -380,13 +425,17 @@ def flash_backward(q, k, v, out, lse2, do, cu_seqlens_q, cu_seqlens_k,
     out_specs.insert(0, dq_spec)
     out_shape.insert(0, jax.ShapeDtypeStruct(dq_acc.shape, jnp.int32))
     aliases = {len(args) - 1: 0}
-  kernel = functools.partial(
-      _backward_kernel, cfg=cfg, block_q=block_q, block_k=block_k,
-      head_dim=head_dim, group=group, dq_mode=dq_mode, order=order)
   params = pip_triton.compiler_params(blocks.compiler, blocks.num_warps,
                                        blocks.num_stages)
+
+  def dkdv_kernel(contain):
+    return functools.partial(
+        _backward_kernel, cfg=cfg, block_q=block_q, block_k=block_k,
+        head_dim=head_dim, group=group, order=order, contain=contain,
+        dq_mode="recompute" if contain else dq_mode)
+
   outs = pl.pallas_call(
-      kernel,
+      dkdv_kernel(False),
       grid=order.grid,
       in_specs=in_specs,
       out_specs=out_specs,
@@ -396,9 +445,69 @@ def flash_backward(q, k, v, out, lse2, do, cu_seqlens_q, cu_seqlens_k,
       interpret=interpret,
       name="fold_flash_backward_dkdv",
   )(*args)
+  *outs, kflags = outs
+  # The fast launch lets a non-finite input reach gradients of pairs that
+  # never meet (a hidden pair's weight 0 times NaN is NaN); its programs
+  # flag the tiles whose result holds a non-finite value, and only those
+  # run again, containing it (see `pallas_kernels.flash.forward`).
+  dk, dv = outs[-2:]
+  base_args = [cu_seqlens_q, cu_seqlens_k, grouped(q), k, v, grouped(do),
+               grouped_rows(lse2), grouped_rows(delta)] + seg_args
+  base_specs = [full(cu_seqlens_q.shape), full(cu_seqlens_k.shape), q_spec,
+                kv_spec, kv_spec, q_spec, row_spec, row_spec] + seg_specs
+  n_in = len(base_args) + 3
+  dk, dv = pl.pallas_call(
+      dkdv_kernel(True),
+      grid=order.grid,
+      in_specs=base_specs + [kflag_spec, kv_spec, kv_spec],
+      out_specs=[kv_spec, kv_spec],
+      out_shape=out_shape[-3:-1],
+      input_output_aliases={n_in - 2: 0, n_in - 1: 1},
+      compiler_params=params,
+      interpret=interpret,
+      name="fold_flash_backward_dkdv_contain",
+  )(*base_args, kflags, dk, dv)
+
+  dqb = dq_blocks if dq_blocks is not None else blocks.dq_blocks
+  # K and V stream through every query tile, as in the forward.
+  dq_order = tiles.query_tile_order(
+      k, d_pad, n_tiles=pl.cdiv(max_seqlen_q, dqb.block_q),
+      num_seqs=num_seqs, heads_q=heads_q, heads_per_wave=dqb.heads_per_wave)
+  q_head = dq_order.head
+  head_spec = pl.BlockSpec((total_q, None, d_pad),
+                           lambda *ids: (0, q_head(*ids), 0))
+  kvh_spec = pl.BlockSpec((total_k, None, d_pad),
+                          lambda *ids: (0, q_head(*ids) // group, 0))
+  rows_spec = pl.BlockSpec((None, total_q), lambda *ids: (q_head(*ids), 0))
+  dq_in_specs = [full(cu_seqlens_q.shape), full(cu_seqlens_k.shape),
+                 head_spec, kvh_spec, kvh_spec, head_spec, rows_spec,
+                 rows_spec, *seg_specs]
+  dq_args = [cu_seqlens_q, cu_seqlens_k, q, k, v, do, lse2, delta, *seg_args]
+
+  def dq_launch(contain, *extra):
+    out_specs = [head_spec] if contain else [head_spec, rows_spec]
+    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+    if not contain:
+      out_shape.append(jax.ShapeDtypeStruct((heads_q, total_q), jnp.int32))
+    n_in = len(dq_args) + len(extra)
+    return pl.pallas_call(
+        functools.partial(_dq_kernel, cfg=cfg, block_q=dqb.block_q,
+                          block_k=dqb.block_k, head_dim=head_dim,
+                          order=dq_order, contain=contain),
+        grid=dq_order.grid,
+        in_specs=dq_in_specs + ([rows_spec, head_spec] if contain else []),
+        out_specs=out_specs,
+        out_shape=out_shape,
+        input_output_aliases={n_in - 1: 0} if contain else {},
+        compiler_params=pip_triton.compiler_params(
+            dqb.compiler, dqb.num_warps, dqb.num_stages),
+        interpret=interpret,
+        name="fold_flash_backward_dq_contain" if contain else
+        "fold_flash_backward_dq",
+    )(*dq_args, *extra)
 
   if dq_mode == "atomic":
-    dq_acc, dk, dv = outs
+    dq_acc = outs[0]
     grid_step = preprocess.pow2(grid_exp - DQ_GRID_BITS)  # 2^(e - 29)
     dq = dq_acc[:total_q, :, :, :head_dim].reshape(total_q, heads_q, head_dim)
     # int32 sums cannot carry NaN: a row that reads a non-finite value (its
@@ -408,35 +517,18 @@ def flash_backward(q, k, v, out, lse2, do, cu_seqlens_q, cu_seqlens_k,
     dq = jnp.where(poisoned.T[:, :, None], jnp.nan,
                    dq.astype(jnp.float32) * grid_step.T[:, :, None])
     dq = dq.astype(q.dtype)
+    # A flagged key tile may have sent a wrong partial (a hidden pair's
+    # 0 * NaN, made an arbitrary integer) to any dQ row of its sequence and
+    # KV head: those rows are recomputed, containing it.
+    seq_k = token_sequence_ids(cu_seqlens_k, total_k)
+    seq_q = token_sequence_ids(cu_seqlens_q, total_q)
+    seq_bad = jnp.zeros((heads_kv, num_seqs + 1), jnp.int32).at[
+        :, seq_k].max(kflags)
+    qflags = jnp.repeat(seq_bad, group, axis=0)[:, seq_q]
+    dq = dq_launch(True, qflags, dq)[0]
   else:
-    dk, dv = outs
-    dqb = dq_blocks if dq_blocks is not None else blocks.dq_blocks
-    # K and V stream through every query tile, as in the forward.
-    dq_order = tiles.query_tile_order(
-        k, d_pad, n_tiles=pl.cdiv(max_seqlen_q, dqb.block_q),
-        num_seqs=num_seqs, heads_q=heads_q,
-        heads_per_wave=dqb.heads_per_wave)
-    q_head = dq_order.head
-    head_spec = pl.BlockSpec((total_q, None, d_pad),
-                             lambda *ids: (0, q_head(*ids), 0))
-    kvh_spec = pl.BlockSpec((total_k, None, d_pad),
-                            lambda *ids: (0, q_head(*ids) // group, 0))
-    rows_spec = pl.BlockSpec((None, total_q), lambda *ids: (q_head(*ids), 0))
-    dq = pl.pallas_call(
-        functools.partial(_dq_kernel, cfg=cfg, block_q=dqb.block_q,
-                          block_k=dqb.block_k, head_dim=head_dim,
-                          order=dq_order),
-        grid=dq_order.grid,
-        in_specs=[full(cu_seqlens_q.shape), full(cu_seqlens_k.shape),
-                  head_spec, kvh_spec, kvh_spec, head_spec, rows_spec,
-                  rows_spec, *seg_specs],
-        out_specs=head_spec,
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        compiler_params=pip_triton.compiler_params(
-            dqb.compiler, dqb.num_warps, dqb.num_stages),
-        interpret=interpret,
-        name="fold_flash_backward_dq",
-    )(cu_seqlens_q, cu_seqlens_k, q, k, v, do, lse2, delta, *seg_args)
+    dq, qflags = dq_launch(False)
+    dq = dq_launch(True, qflags, dq)[0]
     # Tokens outside every sequence are never written by the dQ kernel.
     if not all_tokens_in_sequences:
       dq = jnp.where(q_in_seq[0][:, None, None], dq, 0).astype(q.dtype)

@@ -21,6 +21,18 @@ first). Each program
 owns one query tile of one head and walks the key tiles its rows can see:
 first the unmasked band interior, then the masked edges; tiles no row can
 see are never visited.
+
+Non-finite inputs, two launches of one body: a masked tile still meets its
+hidden pairs in P @ V with weight 0, and 0 * NaN = NaN would reach rows that
+never see a bad v. The fast launch (`contain=False`) runs as if inputs were
+finite and writes, per row, a flag (int32 [heads_q, total_q], one value per
+tile) set where its tile's output holds a NaN or Inf. The second launch
+(`contain=True`, `fold_flash_forward_contain`, outputs aliased) redoes only
+the flagged tiles with masked steps that multiply by v's finite part and
+mark the rows that see a bad v (out NaN, LSE kept); its other programs read
+one flag and end. A branch inside one kernel would do the same work but
+changes how the fast loops compile (more spills), so the twin is a second
+kernel. Rows of clean tiles keep the fast launch's bits.
 """
 
 from __future__ import annotations
@@ -65,14 +77,18 @@ def _folded_scale(cfg: MaskConfig):
 
 def _forward_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, *refs,
                     cfg: MaskConfig, block_q: int, block_k: int, head_dim: int,
-                    has_sinks: bool, order: tiles.LaunchOrder):
+                    has_sinks: bool, order: tiles.LaunchOrder,
+                    contain: bool):
   refs = list(refs)
   q_seg_ref = k_seg_ref = sinks_ref = None
   if cfg.has_segments:
     q_seg_ref, k_seg_ref = refs.pop(0), refs.pop(0)
   if has_sinks:
     sinks_ref = refs.pop(0)
-  o_ref, lse_ref = refs
+  if contain:  # flags in; out and lse aliased to the fast launch's
+    flag_ref, _, _, o_ref, lse_ref = refs
+  else:
+    o_ref, lse_ref, flag_ref = refs
 
   # Last query tiles first (order.reverse): under a causal mask they see the
   # most keys, so the longest programs start first.
@@ -85,7 +101,8 @@ def _forward_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, *refs,
   d_pad = q_ref.shape[-1]
   precision = dot_precision(q_ref.dtype)
 
-  @pl.when(q0 < len_q)
+  # Programs past their sequence write no flag and read none.
+  @tiles.when_flagged(q0 < len_q, flag_ref, q_off + q0, contain)
   def _():
     head_mask = tiles.head_dim_mask(head_dim, d_pad)
     q_pos = q0 + jnp.arange(block_q)
@@ -112,7 +129,7 @@ def _forward_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, *refs,
     fold = _folded_scale(cfg)
 
     def step(k_blk, carry, masked: bool):
-      acc, m_prev, l_prev = carry
+      acc, m_prev, l_prev, poison = carry
       k0 = k_blk * block_k
       k_pos = k0 + jnp.arange(block_k)
       kv_mask = head_mask
@@ -147,9 +164,15 @@ def _forward_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, *refs,
       l_next = l_prev * alpha + jnp.sum(p, axis=1)
       v = tiles.load(v_ref.at[pl.ds(k_off + k0, block_k), :], mask=kv_mask,
                      other=0.0)
+      if masked and contain:
+        # A hidden pair still meets in P @ V with P_ij = 0, and 0 * NaN =
+        # NaN: multiply by the finite part of v and mark the rows that see a
+        # non-finite v row instead (their out is NaN, their LSE unchanged).
+        v, bad_row = tiles.finite_part(v)
+        poison = jnp.maximum(poison, tiles.rows_that_see(vis, bad_row))
       acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v,
                                              precision=precision)
-      return acc, m_next, l_next
+      return acc, m_next, l_next, poison
 
     acc = jnp.zeros((block_q, d_pad), jnp.float32)
     if has_sinks:
@@ -159,23 +182,39 @@ def _forward_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, *refs,
     else:
       m = jnp.full((block_q,), -jnp.inf, jnp.float32)
       l = jnp.zeros((block_q,), jnp.float32)
-    carry = (acc, m, l)
+    # 1.0 on rows that see a non-finite v entry in a masked tile (unmasked
+    # tiles propagate it through the product by themselves); contain only.
+    poison = jnp.zeros((block_q,), jnp.float32)
+    carry = (acc, m, l, poison)
     carry = lax.fori_loop(
         0, n_full, lambda t, c: step(full_first + t, c, False), carry)
     carry = lax.fori_loop(
         0, n_pre + n_post,
         lambda t, c: step(jnp.where(t < n_pre, first + t,
                                     post_first + t - n_pre), c, True), carry)
-    acc, m, l = carry
-    seen = l > 0.0
-    l_safe = jnp.where(seen, l, 1.0)
-    out = acc / l_safe[:, None]
+    acc, m, l, poison = carry
+    if contain:
+      # l == 0, not !(l > 0): a row with a NaN score has l = NaN and must
+      # keep a NaN LSE (the backward's P of that row is then NaN, as in the
+      # reference, whatever finite part of q it recomputes with). Rows that
+      # see a non-finite v get out = NaN and keep their LSE.
+      seen = l != 0.0
+      l_safe = jnp.where(seen, l, 1.0)
+      out = acc / jnp.where(poison > 0.0, jnp.nan, l_safe)[:, None]
+    else:  # a NaN here flags the tile: the second launch redoes it
+      seen = l > 0.0
+      l_safe = jnp.where(seen, l, 1.0)
+      out = acc / l_safe[:, None]
     lse2 = jnp.where(seen, m + jnp.log2(l_safe), jnp.inf)
     q_valid = jnp.arange(block_q) < len_q - q0  # not q_pos < len_q: see q
     plgpu.store(o_ref.at[pl.ds(q_off + q0, block_q), :],
                 out.astype(o_ref.dtype),
                 mask=tiles.mask_and(q_valid[:, None], head_mask))
     plgpu.store(lse_ref.at[pl.ds(q_off + q0, block_q)], lse2, mask=q_valid)
+    if not contain:
+      plgpu.store(flag_ref.at[pl.ds(q_off + q0, block_q)],
+                  jnp.broadcast_to(tiles.has_non_finite(out), (block_q,)),
+                  mask=q_valid)
 
 
 @functools.partial(
@@ -214,24 +253,37 @@ def flash_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, q_segment_ids=None,
   if sinks is not None:
     in_specs.append(full(sinks.shape))
     args.append(sinks.astype(jnp.float32))
-  kernel = functools.partial(
-      _forward_kernel, cfg=cfg, block_q=block_q, block_k=block_k,
-      head_dim=head_dim, has_sinks=sinks is not None, order=order)
-  out, lse2 = pl.pallas_call(
-      kernel,
-      grid=order.grid,
-      in_specs=in_specs,
-      out_specs=[
-          q_spec,
-          pl.BlockSpec((None, total_q), lambda *ids: (head_of(*ids), 0)),
-      ],
-      out_shape=[
-          jax.ShapeDtypeStruct(q.shape, q.dtype),
-          jax.ShapeDtypeStruct((heads_q, total_q), jnp.float32),
-      ],
-      compiler_params=pip_triton.compiler_params(
-          blocks.compiler, blocks.num_warps, blocks.num_stages),
-      interpret=interpret,
-      name="fold_flash_forward",
-  )(*args)
+  flag_shape = (heads_q, total_q)
+  rows_spec = pl.BlockSpec((None, total_q), lambda *ids: (head_of(*ids), 0))
+  out_specs = [q_spec, rows_spec]
+  out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype),
+               jax.ShapeDtypeStruct((heads_q, total_q), jnp.float32)]
+  params = pip_triton.compiler_params(blocks.compiler, blocks.num_warps,
+                                      blocks.num_stages)
+
+  def launch(contain, extra_specs, extra_args, aliases, outs):
+    kernel = functools.partial(
+        _forward_kernel, cfg=cfg, block_q=block_q, block_k=block_k,
+        head_dim=head_dim, has_sinks=sinks is not None, order=order,
+        contain=contain)
+    return pl.pallas_call(
+        kernel, grid=order.grid, in_specs=in_specs + extra_specs,
+        out_specs=outs[0], out_shape=outs[1], input_output_aliases=aliases,
+        compiler_params=params, interpret=interpret,
+        name="fold_flash_forward_contain" if contain else
+        "fold_flash_forward")(*args, *extra_args)
+
+  # The fast launch lets a non-finite v entry reach rows that never see it
+  # (a hidden pair meets it in P @ V with weight 0, and 0 * NaN = NaN); its
+  # programs flag the tiles whose out holds a non-finite value. Only those
+  # run again, with the masked steps containing it (a program of the second
+  # launch that finds no flag ends at once). Clean tiles keep the fast bits.
+  out, lse2, flags = launch(
+      False, [], [], {},
+      (out_specs + [rows_spec],
+       out_shape + [jax.ShapeDtypeStruct(flag_shape, jnp.int32)]))
+  n_in = len(args) + 3
+  out, lse2 = launch(True, [rows_spec] + out_specs,
+                     [flags, out, lse2], {n_in - 2: 0, n_in - 1: 1},
+                     (out_specs, out_shape))
   return out, lse2

@@ -171,6 +171,49 @@ def row_tile(start, t0, length, block: int, head_dim: int, d_pad: int):
   return valid, rows, mask_and(valid[:, None], head_dim_mask(head_dim, d_pad))
 
 
+def finite_part(x):
+  """(x with its non-finite entries set to 0, float32 [rows] 1.0 on rows of x
+  that hold one).
+
+  For masked tiles: a hidden pair still meets in a product with weight 0,
+  and 0 * NaN = NaN would reach rows that never see the bad entry.
+  `abs(x) < inf` is false for NaN and +-inf alike (one compare, no isnan).
+  """
+  ok = jnp.abs(x) < jnp.inf
+  return (jnp.where(ok, x, jnp.zeros_like(x)),
+          jnp.max(jnp.where(ok, 0.0, 1.0), axis=1))
+
+
+def has_non_finite(x):
+  """int32 scalar: 1 if the 2-D tile x holds a NaN or an infinity, else 0.
+
+  The tile's sum is non-finite then (NaN and Inf propagate through sums):
+  one add per element. A sum that overflows float32 says 1 for a finite
+  tile; callers use the flag only to redo the tile with code that gives
+  the same finite values, so that costs time, never bits."""
+  total = jnp.sum(jnp.sum(x.astype(jnp.float32), axis=1), axis=0)
+  return jnp.where(jnp.abs(total) < jnp.inf, 0, 1).astype(jnp.int32)
+
+
+def when_flagged(valid, flag_ref, row, contain: bool):
+  """Decorator: runs a program's body where `valid` and, in a `_contain`
+  launch, only where the fast launch flagged the tile (flag_ref[row] != 0;
+  read only by valid programs, whose rows the fast launch wrote)."""
+  def wrap(body):
+    if not contain:
+      return pl.when(valid)(body)
+
+    @pl.when(valid)
+    def _():
+      pl.when(flag_ref[row] != 0)(body)
+  return wrap
+
+
+def rows_that_see(vis, bad_col):
+  """float32 [rows of vis]: 1.0 where a visible pair's column is bad."""
+  return jnp.max(jnp.where(vis, bad_col[None, :], 0.0), axis=1)
+
+
 def visible(cfg: MaskConfig, q_pos, k_pos, len_q, len_k, q_seg=None,
             k_seg=None):
   """Boolean [len(q_pos), len(k_pos)] tile mask (keys past len_k hidden)."""
