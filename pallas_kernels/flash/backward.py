@@ -522,6 +522,8 @@ def flash_backward(q, k, v, out, lse2, do, cu_seqlens_q, cu_seqlens_k,
     # KV head: those rows are recomputed, containing it.
     seq_k = token_sequence_ids(cu_seqlens_k, total_k)
     seq_q = token_sequence_ids(cu_seqlens_q, total_q)
+    # (Keys outside every sequence have no flag written: never read.)
+    kflags = jnp.where(seq_k[None, :] < num_seqs, kflags, 0)
     seq_bad = jnp.zeros((heads_kv, num_seqs + 1), jnp.int32).at[
         :, seq_k].max(kflags)
     qflags = jnp.repeat(seq_bad, group, axis=0)[:, seq_q]
