@@ -319,9 +319,10 @@ class DensePlan(_Kernels):
   """The kernels of one dense configuration and shape, compiled, and the
   torch glue around them. Tensors: q [b, sq, hq, d], k, v [b, sk, hkv, d]
   (contiguous), sinks [hq] or None; aux: the kernel's base-2 LSE float32
-  [hq, b * sq] (+inf on rows that saw nothing). The forward kernel is
-  captured and compiled when the plan is made, the backward's three on the
-  first backward (inference never pays for them)."""
+  [hq, b * sq] (+inf on rows that saw nothing). The forward's kernels (the
+  fast one and its `_contain` twin) are captured and compiled when the plan
+  is made, the backward's five on the first backward (inference never pays
+  for them)."""
 
   _FWD = _KERNELS[:2]
   _BWD = _KERNELS[2:]

@@ -451,10 +451,10 @@ def flash_backward(q, k, v, out, lse2, do, cu_seqlens_q, cu_seqlens_k,
   # flag the tiles whose result holds a non-finite value, and only those
   # run again, containing it (see `pallas_kernels.flash.forward`).
   dk, dv = outs[-2:]
-  base_args = [cu_seqlens_q, cu_seqlens_k, grouped(q), k, v, grouped(do),
-               grouped_rows(lse2), grouped_rows(delta)] + seg_args
-  base_specs = [full(cu_seqlens_q.shape), full(cu_seqlens_k.shape), q_spec,
-                kv_spec, kv_spec, q_spec, row_spec, row_spec] + seg_specs
+  # The twin takes the fast launch's tensor inputs (not the atomic dQ's
+  # grid or accumulator): the first eight, then the segments.
+  base_args = args[:8] + seg_args
+  base_specs = in_specs[:8] + seg_specs
   n_in = len(base_args) + 3
   dk, dv = pl.pallas_call(
       dkdv_kernel(True),
