@@ -35,7 +35,9 @@ from jax_api import _backend
 from jax_api import _validation as val
 from jax_api.sharding import _grid
 from jax_api.sharding.zigzag import local_positions
-from pallas_kernels.flash import xla
+from pallas_kernels.flash import preprocess, ring_step, xla
+from pallas_kernels.flash.config import head_dim_bucket
+from pallas_kernels.flash.tiles import LN2, LOG2E, MaskConfig
 from pallas_kernels.reference.dense import MaskSpec, visibility
 
 __all__ = ["ring_attention", "default_block_size"]
@@ -54,6 +56,8 @@ class _Cfg(NamedTuple):
   block: int
   seq: int  # global sequence length
   xla: xla.XlaConfig  # per-pair scores/mask/backward of the dense XLA path
+  kernel: str  # "xla": pair blocks in XLA; "pallas"/"interpret": ring_step
+  has_segments: bool
 
 
 def _dot(spec, a, b):
@@ -282,6 +286,146 @@ def _dsinks(cfg, sinks, oB, doB, lB, dlB, bound):
   return jnp.where(jax.lax.axis_index(cfg.axis_name) == 0, total, 0.0)
 
 
+# --- The Pallas ring step (`pallas_kernels.flash.ring_step`) -------------
+# Same algorithm as the pair blocks above (declared row max, partials on the
+# integer grid per (query row, key block), K/V and dK/dV round the ring),
+# with each step one launch per pass over the whole local shard.
+
+
+def _packed(x, d_pad):
+  """[b, L, h, d] -> [b * L, h, d_pad] (zero head-dim padding adds exact
+  zeros to every product)."""
+  b, L, h, d = x.shape
+  if d_pad != d:
+    x = jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, d_pad - d)))
+  return x.reshape(b * L, h, d_pad)
+
+
+def _kernel_args(cfg, q):
+  mask = MaskConfig.make(causal=cfg.causal, window_size=cfg.window,
+                         has_segments=cfg.has_segments, softcap=cfg.softcap,
+                         scale=cfg.scale)
+  return dict(cfg=mask, block=cfg.block, batch=q.shape[0],
+              interpret=cfg.kernel == "interpret")
+
+
+def _limbs_last(x):  # [3, ...] -> [..., 3], the `_grid` layout
+  return jnp.moveaxis(x, 0, -1)
+
+
+def _forward_kernel(cfg, q, k, v, qpos, qseg, sinks):
+  b, L, hq, d = q.shape
+  hkv = k.shape[2]
+  d_pad = head_dim_bucket(d)
+  qp, kp, vp = (_packed(x, d_pad) for x in (q, k, v))
+  seg = qseg.reshape(b * L)
+  kw = _kernel_args(cfg, q)
+  segs = (lambda ks: (seg, ks)) if cfg.has_segments else (lambda ks: (None,
+                                                                      None))
+
+  def max_step(carry, _):
+    m, kv = carry
+    nxt = _ring_step(cfg, kv, +1)
+    m = jnp.maximum(m, ring_step.query_pass(
+        qp, kv[0], kv[0], qpos, kv[1], *segs(kv[2]), mode="max", **kw))
+    return (m, nxt), None
+  m0 = jnp.full((hq, b * L), -jnp.inf, _F32)
+  (ref2, _), _ = jax.lax.scan(max_step, (m0, (kp, qpos, seg)), None,
+                              length=cfg.n)
+  sink2 = None
+  if sinks is not None:
+    sink2 = (sinks * LOG2E)[:, None]  # [hq, 1]
+    ref2 = jnp.maximum(ref2, sink2)
+  ref2 = jnp.where(jnp.isfinite(ref2), ref2, 0.0)
+  e_acc = _grid.unit_exponent(
+      jax.lax.pmax(jnp.max(jnp.abs(v)).astype(_F32), cfg.axis_name) *
+      cfg.block)
+  e_l = _grid.unit_exponent(float(cfg.block))
+  units = jnp.stack([_grid.pow2(-e_acc), _grid.pow2(-e_l)])
+
+  def step(carry, _):
+    acc, den, kv = carry
+    nxt = _ring_step(cfg, kv, +1)
+    acc, den = ring_step.query_pass(
+        qp, kv[0], kv[1], qpos, kv[2], *segs(kv[3]), ref2, units, acc, den,
+        mode="forward", **kw)
+    return (acc, den, nxt), None
+  acc0 = jnp.zeros((3, b * L, hq, d_pad), jnp.int32)
+  den0 = jnp.zeros((3, hq, b * L), jnp.int32)
+  (acc, den, _), _ = jax.lax.scan(step, (acc0, den0, (kp, vp, qpos, seg)),
+                                  None, length=cfg.n)
+  den = _limbs_last(den)
+  if sinks is not None:
+    den = _grid.add(den, _grid.to_grid(jnp.exp2(sink2 - ref2), e_l))
+  a = _grid.from_grid(_limbs_last(acc), e_acc)[..., :d]  # [b*L, hq, d]
+  l = _grid.from_grid(den, e_l)  # [hq, b*L]
+  ok = l > 0
+  safe = jnp.where(ok, l, 1.0)
+  out = (a / safe.T[:, :, None]).reshape(b, L, hq, d)
+  lse = jnp.where(ok, (ref2 + jnp.log2(safe)) * LN2, -jnp.inf)
+  return out.astype(q.dtype), jnp.moveaxis(lse.reshape(hq, b, L), 1, 0)
+
+
+def _backward_kernel(cfg, q, k, v, qpos, qseg, sinks, out, lse, dout, dlse):
+  """`_backward` with the ring step in Pallas: dQ partials per (query row,
+  key block) and dK/dV partials per (query tile, key row) on the grid."""
+  b, L, hq, d = q.shape
+  hkv = k.shape[2]
+  g, B, ax = hq // hkv, cfg.block, cfg.axis_name
+  d_pad = head_dim_bucket(d)
+  dlse = jnp.where(jnp.isfinite(dlse), dlse, 0.0).astype(_F32)
+
+  def gmax(x):
+    return jax.lax.pmax(jnp.max(jnp.abs(x.astype(_F32))), ax)
+  m_do, m_v, m_dl = gmax(dout), gmax(v), gmax(dlse)
+  m_delta = d * m_do * m_v + m_dl
+  m_ds = abs(cfg.scale) * (d * m_do * m_v + m_delta)
+  e_dq = _grid.unit_exponent(B * m_ds * gmax(k))
+  e_dk = _grid.unit_exponent(B * g * m_ds * gmax(q))
+  e_dv = _grid.unit_exponent(B * g * m_do)
+  qp, kp, vp, op, dop = (_packed(x, d_pad) for x in (q, k, v, out, dout))
+  rows = lambda x: jnp.moveaxis(x, 0, 1).reshape(hq, b * L)  # [b, hq, L]
+  lse2 = rows(jnp.where(jnp.isfinite(lse), lse * LOG2E, jnp.inf))
+  cu = jnp.arange(b + 1, dtype=jnp.int32) * L
+  # D per row from fixed tiles (a row's bits do not follow the shard size).
+  delta, _ = preprocess.backward_rows(
+      op[..., :d], dop[..., :d], rows(dlse), None, None, cu, cu,
+      softmax_scale=cfg.scale, max_seqlen_q=L, max_seqlen_k=L,
+      with_grid=False, interpret=cfg.kernel == "interpret")
+  seg = qseg.reshape(b * L)
+  kw = _kernel_args(cfg, q)
+  segs = (lambda ks: (seg, ks)) if cfg.has_segments else (lambda ks: (None,
+                                                                      None))
+  unit_dq = _grid.pow2(-e_dq)[None]
+  unit_kv = jnp.stack([_grid.pow2(-e_dk), _grid.pow2(-e_dv)])
+
+  def step(carry, _):
+    dq_acc, kv, dkv = carry
+    nxt = _ring_step(cfg, kv, -1)  # issued before this step's compute
+    dq_acc = ring_step.query_pass(
+        qp, kv[0], kv[1], qpos, kv[2], *segs(kv[3]), dop, lse2, delta,
+        unit_dq, dq_acc, mode="dq", **kw)
+    s_q, s_k = segs(kv[3])
+    dkv = ring_step.key_pass(qp, kv[0], kv[1], qpos, kv[2], s_q, s_k, dop,
+                             lse2, delta, unit_kv, *dkv, **kw)
+    return (dq_acc, nxt, _ring_step(cfg, tuple(dkv), -1)), None
+  zkv = jnp.zeros((3, b * L, hkv, d_pad), jnp.int32)
+  (dq_acc, _, (dk, dv)), _ = jax.lax.scan(
+      step, (jnp.zeros((3, b * L, hq, d_pad), jnp.int32),
+             (kp, vp, qpos, seg), (zkv, zkv)), None, length=cfg.n)
+  unpack = lambda x, e, h, dt: _grid.from_grid(_limbs_last(x), e)[
+      ..., :d].reshape(b, L, h, d).astype(dt)
+  dq = unpack(dq_acc, e_dq, hq, q.dtype)
+  dk = unpack(dk, e_dk, hkv, k.dtype)
+  dv = unpack(dv, e_dv, hkv, v.dtype)
+  dsinks = None
+  if sinks is not None:
+    oB, doB = (_blocks(x.astype(_F32), B) for x in (out, dout))
+    lB, dlB = (_blocks(jnp.moveaxis(x, 2, 1), B) for x in (lse, dlse))
+    dsinks = _dsinks(cfg, sinks, oB, doB, lB, dlB, m_delta * b * B)
+  return dq, dk, dv, dsinks
+
+
 def default_block_size(seq: int) -> int:
   """Block tokens for a global length `seq`: min(128, 2^k / 16), 2^k the
   largest power of two dividing seq. It divides every zig-zag chunk
@@ -309,12 +453,7 @@ def ring_attention(q, k, v, *, axis_name, causal=False, softmax_scale=None,
   Returns out [batch, seq_local, heads_q, head_dim] (and lse [batch,
   heads_q, seq_local] float32 if return_lse).
   """
-  if backend not in ("auto", "xla"):
-    raise ValueError(f"backend must be 'auto' or 'xla' for ring_attention "
-                     f"(the per-block Pallas kernel is not wired); got "
-                     f"{backend!r}.")
-  if backend == "auto":
-    _backend._announce("jax_api: ring_attention runs its per-block XLA path.")
+  kernel = _backend.resolve_backend(backend, kernel="ring_attention")
   try:
     n = jax.lax.axis_size(axis_name)
     idx = jax.lax.axis_index(axis_name)
@@ -351,7 +490,7 @@ def ring_attention(q, k, v, *, axis_name, causal=False, softmax_scale=None,
                        softcap=softcap, scale=scale, q_block=bs, k_block=bs,
                        compute_dtype=_F32)
   cfg = _Cfg(axis_name, int(n), bool(causal), window, softcap, scale, bs,
-             L * n, xcfg)
+             L * n, xcfg, kernel, segment_ids is not None)
   qpos = local_positions(L, idx, n, layout)
   qseg = (jnp.zeros((b, L), jnp.int32) if segment_ids is None else
           jnp.asarray(segment_ids, jnp.int32))
@@ -365,17 +504,22 @@ def ring_attention(q, k, v, *, axis_name, causal=False, softmax_scale=None,
 # the backward is the ring pass of `_backward`, never autodiff of `_forward`.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _ring(cfg, q, k, v, qpos, qseg, sinks):
-  return _forward(cfg, q, k, v, qpos, qseg, sinks)
+  return _ring_forward(cfg)(cfg, q, k, v, qpos, qseg, sinks)
+
+
+def _ring_forward(cfg):
+  return _forward if cfg.kernel == "xla" else _forward_kernel
 
 
 def _ring_fwd(cfg, q, k, v, qpos, qseg, sinks):
-  out, lse = _forward(cfg, q, k, v, qpos, qseg, sinks)
+  out, lse = _ring_forward(cfg)(cfg, q, k, v, qpos, qseg, sinks)
   return (out, lse), (q, k, v, qpos, qseg, sinks, out, lse)
 
 
 def _ring_bwd(cfg, res, cts):
   q, k, v, qpos, qseg, sinks, out, lse = res
-  dq, dk, dv, dsinks = _backward(cfg, q, k, v, qpos, qseg, sinks, out, lse,
+  backward = _backward if cfg.kernel == "xla" else _backward_kernel
+  dq, dk, dv, dsinks = backward(cfg, q, k, v, qpos, qseg, sinks, out, lse,
                                  *cts)
   return dq, dk, dv, None, None, dsinks
 

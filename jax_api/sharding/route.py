@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jax_api import _backend
 from jax_api.sharding.ring import ring_attention
 from pallas_kernels.reference.dense import varlen_mask_spec
 
@@ -194,8 +195,7 @@ def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
 
 
 def _ring_backend(backend):
-  if backend not in ("auto", "xla"):
-    raise ValueError(f"backend: a sequence-sharded call runs the ring's "
-                     f"per-block XLA path ('auto' or 'xla'); got "
-                     f"{backend!r}.")
+  """The ring's backend: the Pallas ring step ("pallas", "interpret") or
+  its XLA pair blocks ("xla"); "auto" as `ring_attention` picks."""
+  _backend.resolve_backend(backend, kernel="ring_attention")  # validates
   return backend
