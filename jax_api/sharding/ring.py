@@ -426,6 +426,19 @@ def _backward_kernel(cfg, q, k, v, qpos, qseg, sinks, out, lse, dout, dlse):
   return dq, dk, dv, dsinks
 
 
+def ring_backend(backend: str) -> str:
+  """The ring step's implementation for `backend`: "pallas" / "interpret"
+  (the Pallas ring step) or "xla" (the pair blocks). "auto" keeps the XLA
+  pair blocks and says so once: the Pallas step has not been timed on a GPU
+  yet, so it is not chosen for the user."""
+  if backend == "auto":
+    _backend._announce("jax_api: ring_attention runs its per-block XLA path "
+                       "(backend='pallas' or 'interpret' runs the Pallas "
+                       "ring step).")
+    return "xla"
+  return _backend.resolve_backend(backend, kernel="ring_attention")
+
+
 def default_block_size(seq: int) -> int:
   """Block tokens for a global length `seq`: min(128, 2^k / 16), 2^k the
   largest power of two dividing seq. It divides every zig-zag chunk
@@ -453,7 +466,7 @@ def ring_attention(q, k, v, *, axis_name, causal=False, softmax_scale=None,
   Returns out [batch, seq_local, heads_q, head_dim] (and lse [batch,
   heads_q, seq_local] float32 if return_lse).
   """
-  kernel = _backend.resolve_backend(backend, kernel="ring_attention")
+  kernel = ring_backend(backend)
   try:
     n = jax.lax.axis_size(axis_name)
     idx = jax.lax.axis_index(axis_name)

@@ -24,8 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_api import _backend
-from jax_api.sharding.ring import ring_attention
+from jax_api.sharding.ring import ring_attention, ring_backend
 from pallas_kernels.reference.dense import varlen_mask_spec
 
 __all__ = ["mesh_spec", "dense", "varlen"]
@@ -195,7 +194,7 @@ def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
 
 
 def _ring_backend(backend):
-  """The ring's backend: the Pallas ring step ("pallas", "interpret") or
-  its XLA pair blocks ("xla"); "auto" as `ring_attention` picks."""
-  _backend.resolve_backend(backend, kernel="ring_attention")  # validates
+  """Validated here (before any shard_map), resolved by the ring itself."""
+  if backend != "auto":
+    ring_backend(backend)
   return backend

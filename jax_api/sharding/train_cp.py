@@ -62,9 +62,9 @@ def main(args, lm) -> int:
   if seq_len % n:
     raise ValueError(f"--seq-len {seq_len} must be divisible by "
                      f"--context-parallel {n}.")
-  if args.backend not in ("auto", "xla"):
-    raise ValueError(f"--backend: --context-parallel runs the ring's XLA "
-                     f"per-block path ('auto' or 'xla'); got "
+  if args.backend not in ("auto", "xla", "pallas", "interpret"):
+    raise ValueError(f"--backend: --context-parallel runs the ring "
+                     f"('auto', 'xla', 'pallas' or 'interpret'); got "
                      f"{args.backend!r}.")
   text = corpus_text()
   tok = CharTokenizer(text)

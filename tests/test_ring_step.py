@@ -1,0 +1,145 @@
+"""The Pallas ring-step kernels (`pallas_kernels.flash.ring_step`): a shard's
+partials do not depend on how the keys (or, for dK/dV, the queries) were
+split, bit for bit. This is what makes the ring's bits the same for every
+device count; the 8-virtual-device check of the whole ring against the
+float32 reference is in `tests/test_sharding.py`."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_api.sharding import _grid
+from pallas_kernels.flash import ring_step
+from pallas_kernels.flash.tiles import MaskConfig
+
+
+def _has_gpu():
+  try:
+    return jax.devices()[0].platform == "gpu"
+  except RuntimeError:
+    return False
+
+
+_GPU = [pytest.mark.gpu,
+        pytest.mark.skipif(not _has_gpu(), reason="needs an NVIDIA GPU")]
+# (backend, block, head_dim, len_q, len_k): the CPU case is small; the GPU
+# case has the ring's real block and a head dim to pad (96 -> 128).
+CASES = [
+    pytest.param("interpret", 16, 32, 48, 32, id="interpret"),
+    pytest.param("pallas", 128, 96, 512, 256, marks=_GPU, id="pallas"),
+]
+MASKS = {
+    "causal": dict(causal=True, window_size=(-1, -1)),
+    "window-softcap": dict(causal=False, window_size=(40, 8), softcap=5.0),
+    "segments": dict(causal=True, window_size=(-1, -1), segments=True),
+}
+
+
+def _setup(backend, block, head_dim, len_q, len_k, mask):
+  b, hq, hkv = 2, 4, 2
+  rng = np.random.default_rng(0)
+  d_pad = 16
+  while d_pad < head_dim:
+    d_pad *= 2
+
+  def rnd(rows, h, scale=1.0):
+    x = rng.standard_normal((rows, h, d_pad)) * scale
+    x[..., head_dim:] = 0.0
+    return jnp.asarray(x, jnp.bfloat16)
+  q, do = rnd(b * len_q, hq), rnd(b * len_q, hq)
+  k, v = rnd(b * len_k, hkv), rnd(b * len_k, hkv)
+  # Queries after the keys, as a zig-zag shard's later chunk sees an
+  # earlier one; the key positions are two chunks, as in a zig-zag shard.
+  q_pos = jnp.arange(len_q, dtype=jnp.int32) + len_k // 2
+  half = len_k // 2
+  k_pos = jnp.concatenate([jnp.arange(half), len_q + jnp.arange(half)
+                           ]).astype(jnp.int32)
+  seg = mask.get("segments", False)
+  q_seg = k_seg = None
+  if seg:
+    q_seg = jnp.asarray(rng.integers(-1, 3, b * len_q), jnp.int32)
+    k_seg = jnp.asarray(rng.integers(0, 3, b * len_k), jnp.int32)
+  cfg = MaskConfig.make(causal=mask["causal"], window_size=mask["window_size"],
+                        has_segments=seg, softcap=mask.get("softcap", 0.0),
+                        scale=head_dim**-0.5)
+  kw = dict(cfg=cfg, block=block, batch=b, interpret=backend == "interpret")
+  return q, k, v, do, q_pos, k_pos, q_seg, k_seg, kw
+
+
+def _split_keys(x, len_k, cut, batch):
+  """x [batch * len_k, ...] -> the first `cut` and the other keys of every
+  batch row, each packed again."""
+  x = x.reshape((batch, len_k) + x.shape[1:])
+  return (x[:, :cut].reshape((-1,) + x.shape[2:]),
+          x[:, cut:].reshape((-1,) + x.shape[2:]))
+
+
+def _eq(a, b):
+  return bool(jnp.array_equal(a, b))
+
+
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("backend,block,head_dim,len_q,len_k", CASES)
+def test_ring_step_partials_do_not_depend_on_the_split(backend, block,
+                                                        head_dim, len_q,
+                                                        len_k, mask):
+  q, k, v, do, q_pos, k_pos, q_seg, k_seg, kw = _setup(
+      backend, block, head_dim, len_q, len_k, MASKS[mask])
+  b, hq, d = kw["batch"], q.shape[1], q.shape[2]
+  cut = block  # the first key block, then the rest
+  k1, k2 = _split_keys(k, len_k, cut, b)
+  v1, v2 = _split_keys(v, len_k, cut, b)
+  p1, p2 = k_pos[:cut], k_pos[cut:]
+  s1, s2 = (None, None) if k_seg is None else _split_keys(k_seg, len_k, cut,
+                                                          b)
+
+  def qp(mode, kk, vv, kp, ks, *rest):
+    return ring_step.query_pass(q, kk, vv, q_pos, kp, q_seg, ks, *rest,
+                                mode=mode, **kw)
+  m = qp("max", k, v, k_pos, k_seg)
+  assert _eq(m, jnp.maximum(qp("max", k1, v1, p1, s1),
+                            qp("max", k2, v2, p2, s2)))
+  assert bool(jnp.any(jnp.isfinite(m)))
+  ref2 = jnp.where(jnp.isfinite(m), m, 0.0)
+  units = jnp.stack([_grid.pow2(-_grid.unit_exponent(4.0 * block)),
+                     _grid.pow2(-_grid.unit_exponent(float(block)))])
+  acc0 = jnp.zeros((3, q.shape[0], hq, d), jnp.int32)
+  den0 = jnp.zeros((3, hq, q.shape[0]), jnp.int32)
+  whole = qp("forward", k, v, k_pos, k_seg, ref2, units, acc0, den0)
+  part = qp("forward", k1, v1, p1, s1, ref2, units, acc0, den0)
+  part = qp("forward", k2, v2, p2, s2, ref2, units, *part)
+  assert all(_eq(a, c) for a, c in zip(whole, part))
+  assert bool(jnp.any(whole[0] != 0))
+  # The grid sum is the float sum to within one unit per partial.
+  den = _grid.from_grid(jnp.moveaxis(whole[1], 0, -1),
+                        _grid.unit_exponent(float(block)))
+  assert bool(jnp.all(den >= 0)) and bool(jnp.any(den >= 1.0))
+
+  lse2 = jnp.where(den > 0, ref2 + jnp.log2(jnp.where(den > 0, den, 1.0)),
+                   jnp.inf)
+  delta = jnp.asarray(np.random.default_rng(1).standard_normal(lse2.shape),
+                      jnp.float32) * 0.1
+  unit_dq = units[:1]
+  dq = qp("dq", k, v, k_pos, k_seg, do, lse2, delta, unit_dq, acc0)
+  dq_part = qp("dq", k1, v1, p1, s1, do, lse2, delta, unit_dq, acc0)
+  dq_part = qp("dq", k2, v2, p2, s2, do, lse2, delta, unit_dq, dq_part)
+  assert _eq(dq, dq_part) and bool(jnp.any(dq != 0))
+
+  # dK/dV: the queries split at a multiple of the query step.
+  zkv = jnp.zeros((3,) + k.shape, jnp.int32)
+  qcut = ring_step.query_step(block) * 2
+
+  def kp_(rows, kk, dk, dv):
+    sl = lambda x: _split_keys(x, len_q, qcut, b)[rows] if rows >= 0 else x
+    row_sl = lambda x: jnp.moveaxis(sl(jnp.moveaxis(x, 0, 1)), 0, 1)
+    pos = q_pos if rows < 0 else (q_pos[:qcut], q_pos[qcut:])[rows]
+    return ring_step.key_pass(
+        sl(q), k, v, pos, k_pos, None if q_seg is None else sl(q_seg), k_seg,
+        sl(do), row_sl(lse2), row_sl(delta), units, dk, dv, **kw)
+  whole = kp_(-1, k, zkv, zkv)
+  part = kp_(1, k, *kp_(0, k, zkv, zkv))
+  assert all(_eq(a, c) for a, c in zip(whole, part))
+  assert bool(jnp.any(whole[0] != 0)) and bool(jnp.any(whole[1] != 0))
