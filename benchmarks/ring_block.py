@@ -14,10 +14,14 @@ n devices (chunks of C = S / 2n tokens, local shards of L = 2C):
 Each is timed forward and forward+backward (loss sum(out * w), gradients in
 q, k, v) at B1 H16 D128 bf16 by default, for S in {32768, 131072}, n = 8.
 
-Two implementations per block:
+Three implementations per block:
   pallas   `fold_attn_func(..., backend="pallas")`: the dense Triton kernel
-           at the step's shape (bf16). What one ring step costs if the ring
-           ran the Pallas kernel per step (it does not yet).
+           at the step's shape (bf16): the flash kernel's cost, a floor.
+  ring_step the kernels one step of `ring_attention(..., backend="pallas")`
+           launches (`pallas_kernels.flash.ring_step`, bf16): forward = the
+           row-max pass and the grid-accumulating pass; forward+backward
+           adds the dQ pass and the dK/dV pass (the once-per-ring D and
+           unit computations are left out).
   xla_f32  the dense XLA path (`pallas_kernels.flash.xla`) in float32 with
            blocks of `jax_api.sharding.default_block_size(S)` tokens: the
            per-pair computation the ring runs today. The ring's forward
@@ -52,6 +56,8 @@ def _fns(impl, causal, block, interpret):
   """(forward, forward+backward) of one block for `impl`."""
   import jax
   import jax.numpy as jnp
+  if impl == "ring_step":
+    return _ring_step_fns(causal, block, interpret)
   if impl == "pallas":
     from jax_api import fold_attn_func
     be = "interpret" if interpret else "pallas"
@@ -86,6 +92,50 @@ def _fns(impl, causal, block, interpret):
   def loss(q, k, v, w):
     return jnp.sum(fwd(q, k, v, w).astype(jnp.float32) * w)
   return jax.jit(fwd), jax.jit(jax.grad(loss, (0, 1, 2)))
+
+
+def _ring_step_fns(causal, block, interpret):
+  import jax
+  import jax.numpy as jnp
+  from pallas_kernels.flash import ring_step
+  from pallas_kernels.flash.tiles import MaskConfig
+
+  def setup(q, k):
+    b, sq, h, d = q.shape
+    cfg = MaskConfig.make(causal=causal, window_size=(-1, -1),
+                          has_segments=False, softcap=0.0, scale=d**-0.5)
+    kw = dict(cfg=cfg, block=block, batch=b, interpret=interpret)
+    pos = (jnp.arange(sq, dtype=jnp.int32), jnp.arange(k.shape[1],
+                                                       dtype=jnp.int32))
+    return kw, pos
+
+  def packed(x):
+    return x.reshape((-1,) + x.shape[2:])
+
+  def fwd(q, k, v, w):
+    kw, (qp, kp) = setup(q, k)
+    q, k, v = packed(q), packed(k), packed(v)
+    m = ring_step.query_pass(q, k, v, qp, kp, mode="max", **kw)
+    ref2 = jnp.where(jnp.isfinite(m), m, 0.0)
+    units = jnp.array([2.0**30, 2.0**40], jnp.float32)
+    acc = jnp.zeros((3,) + q.shape, jnp.int32)
+    den = jnp.zeros((3, q.shape[1], q.shape[0]), jnp.int32)
+    return ring_step.query_pass(q, k, v, qp, kp, None, None, ref2, units,
+                                acc, den, mode="forward", **kw), ref2
+
+  def fwdbwd(q, k, v, w):
+    kw, (qp, kp) = setup(q, k)
+    (acc, _), ref2 = fwd(q, k, v, w)
+    q, k, v, w = packed(q), packed(k), packed(v), packed(w)
+    delta = jnp.zeros_like(ref2)
+    units = jnp.array([2.0**30, 2.0**30], jnp.float32)
+    dq = ring_step.query_pass(q, k, v, qp, kp, None, None, w, ref2, delta,
+                              units[:1], jnp.zeros_like(acc), mode="dq",
+                              **kw)
+    zkv = jnp.zeros((3,) + k.shape, jnp.int32)
+    return acc, dq, ring_step.key_pass(q, k, v, qp, kp, None, None, w, ref2,
+                                       delta, units, zkv, zkv, **kw)
+  return jax.jit(lambda *a: fwd(*a)[0]), jax.jit(fwdbwd)
 
 
 def run(seqs, devices, heads, head_dim, dtype_name, impls, interpret,
@@ -146,7 +196,7 @@ def build_parser():
   p.add_argument("--heads", type=int, default=16)
   p.add_argument("--head-dim", type=int, default=128)
   p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
-  p.add_argument("--impls", default="pallas,xla_f32")
+  p.add_argument("--impls", default="pallas,ring_step,xla_f32")
   p.add_argument("--target-s", type=float, default=0.3)
   p.add_argument("--smoke", action="store_true",
                  help="tiny CPU shapes (S 64, 2 heads, d 16; Pallas in "
@@ -159,8 +209,9 @@ def main(argv=None) -> int:
   a = build_parser().parse_args(argv)
   impls = a.impls.split(",")
   for i in impls:
-    if i not in ("pallas", "xla_f32"):
-      raise ValueError(f"--impls: unknown {i!r}; known: pallas, xla_f32.")
+    if i not in ("pallas", "ring_step", "xla_f32"):
+      raise ValueError(f"--impls: unknown {i!r}; known: pallas, ring_step, "
+                       "xla_f32.")
   if a.smoke:
     doc = run([64], 2, 2, 16, "fp32", impls, True, 0.01)
   else:
