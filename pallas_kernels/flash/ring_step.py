@@ -75,6 +75,13 @@ def key_tile(block: int) -> int:
   return max(16, block)
 
 
+def key_rows(block: int) -> int:
+  """Keys per dK/dV program: a divisor of `block` (a key row's partials are
+  its own, so any split of the block gives the same bits); at most 64, so
+  that three int32 limbs of dK and of dV fit in registers."""
+  return min(block, 64)
+
+
 def _limbs(x, inv_unit):
   """float32 x -> (lo, mid, hi) int32 of trunc(x * inv_unit), lo and mid in
   (-2^20, 2^20) with x's sign (not yet canonical). Exact: each step takes
@@ -114,13 +121,22 @@ def _visible(cfg: MaskConfig, q_pos, k_pos, k_valid, q_seg, k_seg):
 
 def _may_see(cfg: MaskConfig, q_lo, q_hi, k_lo, k_hi):
   """Scalar: can some query in positions [q_lo, q_hi] see some key in
-  [k_lo, k_hi] (positions only; segments are masked per pair)."""
-  ok = jnp.bool_(True)
+  [k_lo, k_hi] (positions only; segments are masked per pair)? None when
+  no position bound applies (every pair may be visible)."""
+  ok = None
   if cfg.right >= 0:
-    ok &= k_lo <= q_hi + cfg.right
+    ok = k_lo <= q_hi + cfg.right
   if cfg.left >= 0:
-    ok &= k_hi >= q_lo - cfg.left
+    far = k_hi >= q_lo - cfg.left
+    ok = far if ok is None else ok & far
   return ok
+
+
+def _when_may_see(ok, run, carry):
+  """run(carry) where `ok` (skipping pairs no query can see), else carry."""
+  if ok is None:
+    return run(carry)
+  return lax.cond(ok, run, lambda c: c, carry)
 
 
 def _pos_range(pos, valid):
@@ -208,8 +224,7 @@ def _query_kernel(q_pos_ref, k_pos_ref, q_ref, k_ref, v_ref, *refs,
 
     k_lo = k_pos_ref[k0]
     k_hi = k_pos_ref[k0 + block - 1]
-    return lax.cond(_may_see(cfg, q_lo, q_hi, k_lo, k_hi), run,
-                    lambda c: c, carry)
+    return _when_may_see(_may_see(cfg, q_lo, q_hi, k_lo, k_hi), run, carry)
 
   d = q_ref.shape[-1]
   zeros_d = tuple(jnp.zeros((tq, d), jnp.int32) for _ in range(3))
@@ -233,25 +248,26 @@ def _query_kernel(q_pos_ref, k_pos_ref, q_ref, k_ref, v_ref, *refs,
 def _key_kernel(q_pos_ref, k_pos_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
                 delta_ref, *refs, cfg: MaskConfig, block: int, len_q: int,
                 len_k: int, group: int):
-  """dK and dV partials of one key block (all heads of its GQA group),
-  one grid value per (query tile, key block)."""
+  """dK and dV partials of `key_rows(block)` keys (all heads of their GQA
+  group), one grid value per (query step, key row)."""
   refs = list(refs)
   q_seg_ref = k_seg_ref = None
   if cfg.has_segments:
     q_seg_ref, k_seg_ref = refs.pop(0), refs.pop(0)
   unit_ref, _, _, dk_ref, dv_ref = refs
-  tq, tk = query_tile(block), key_tile(block)
+  kr = key_rows(block)
+  tq, tk = query_tile(block), max(16, kr)
   k_blk, b = pl.program_id(0), pl.program_id(1)
-  k0 = k_blk * block
+  k0 = k_blk * kr
   k_rows = pl.ds(b * len_k + k0, tk)
-  k_in_block = jnp.arange(tk) < block
-  k_mask = None if tk == block else k_in_block[:, None]
+  k_in_block = jnp.arange(tk) < kr
+  k_mask = None if tk == kr else k_in_block[:, None]
   precision = dot_precision(q_ref.dtype)
   k = tiles.load(k_ref.at[k_rows, :], mask=k_mask, other=0.0)
   v = tiles.load(v_ref.at[k_rows, :], mask=k_mask, other=0.0)
   k_pos = tiles.load(k_pos_ref.at[pl.ds(k0, tk)], mask=k_in_block,
                      other=_FAR)
-  k_lo, k_hi = k_pos_ref[k0], k_pos_ref[k0 + block - 1]
+  k_lo, k_hi = k_pos_ref[k0], k_pos_ref[k0 + kr - 1]
   k_seg = None
   if cfg.has_segments:
     k_seg = tiles.load(k_seg_ref.at[k_rows], mask=k_in_block, other=-2)
@@ -299,8 +315,7 @@ def _key_kernel(q_pos_ref, k_pos_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
       return (_add(dk_acc, _limbs(dk * cfg.scale, unit_ref[0])),
               _add(dv_acc, _limbs(dv, unit_ref[1])))
 
-    return lax.cond(_may_see(cfg, q_lo, q_hi, k_lo, k_hi), run,
-                    lambda c: c, carry)
+    return _when_may_see(_may_see(cfg, q_lo, q_hi, k_lo, k_hi), run, carry)
 
   zeros = tuple(jnp.zeros((tk, d), jnp.int32) for _ in range(3))
   dk, dv = lax.fori_loop(0, pl.cdiv(len_q, qs), q_step, (zeros, zeros))
@@ -422,7 +437,7 @@ def key_pass(q, k, v, q_pos, k_pos, q_seg, k_seg, do, lse2, delta, units,
   return pl.pallas_call(
       functools.partial(_key_kernel, cfg=cfg, block=block, len_q=len_q,
                         len_k=len_k, group=group),
-      grid=(len_k // block, batch, heads_kv),
+      grid=(len_k // key_rows(block), batch, heads_kv),
       in_specs=in_specs, out_specs=[acc_spec, acc_spec],
       out_shape=[jax.ShapeDtypeStruct(dk.shape, jnp.int32)] * 2,
       input_output_aliases={n - 2: 0, n - 1: 1},
