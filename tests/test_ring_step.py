@@ -81,6 +81,18 @@ def _eq(a, b):
   return bool(jnp.array_equal(a, b))
 
 
+def test_long_loops_carry_every_reg_terms_partials(monkeypatch):
+  """With REG_TERMS = 1 every loop folds each partial into three limbs
+  (the path of shards longer than REG_TERMS blocks): same checks."""
+  monkeypatch.setattr(ring_step, "REG_TERMS", 1)
+  jax.clear_caches()
+  try:
+    test_ring_step_partials_do_not_depend_on_the_split(
+        "interpret", 16, 32, 48, 32, "causal")
+  finally:
+    jax.clear_caches()
+
+
 @pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("backend,block,head_dim,len_q,len_k", CASES)
 def test_ring_step_partials_do_not_depend_on_the_split(backend, block,

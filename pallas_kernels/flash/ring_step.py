@@ -13,9 +13,10 @@ adds `exp2(s - ref)`-weighted partials against that fixed reference.
 
 A grid value is three int32 limbs (lo, mid, hi) of 20 bits of
 trunc(x / 2^e) (`jax_api.sharding._grid` holds the format and the unit
-choice; the kernels take 2^-e as a scalar input). Inside one launch a
-limb sums at most MAX_BLOCKS_PER_STEP partials without carrying; the carry
-is propagated once, when the launch adds its sum to the accumulator.
+choice; the kernels take 2^-e as a scalar input). In registers a launch
+keeps two 22-bit limbs per value (`_limbs`), REG_TERMS partials at most
+between carries; the sum goes to the three-limb accumulator once, at the
+end of the launch, where the carry is propagated.
 
 Layouts (packed as in `pallas_kernels.flash.forward`, one sequence per
 batch row of the local shard, head dim padded to `head_dim_bucket`):
@@ -53,9 +54,11 @@ from pallas_kernels.flash import tiles
 from pallas_kernels.flash.forward import dot_precision
 from pallas_kernels.flash.tiles import LN2, MaskConfig
 
-# Limbs hold 20 bits; 2^10 partials below 2^20 each, plus a canonical
-# accumulator, stay inside int32.
-MAX_BLOCKS_PER_STEP = 2**10
+# In registers a sum is two int32 limbs of 22 bits, (lo, hi), of
+# trunc(x * inv_unit) <= 2^44: REG_TERMS such terms stay below 2^30 per limb,
+# so the canonical accumulator (20-bit limbs) can be added without overflow.
+# Longer loops fold every REG_TERMS terms into three 20-bit limbs.
+REG_TERMS = 256
 _W = 20
 _FAR = 2**30  # a position no mask reaches
 
@@ -83,16 +86,14 @@ def key_rows(block: int) -> int:
 
 
 def _limbs(x, inv_unit):
-  """float32 x -> (lo, mid, hi) int32 of trunc(x * inv_unit), lo and mid in
-  (-2^20, 2^20) with x's sign (not yet canonical). Exact: each step takes
-  the leading bits of a float or scales by a power of two."""
+  """float32 x -> (lo, hi) int32 with trunc(|x| * inv_unit) = hi * 2^22 + lo,
+  both with x's sign, |lo| < 2^22. Exact: each step takes the leading bits
+  of a float or scales by a power of two."""
   y = jnp.abs(x) * inv_unit
-  hi = jnp.floor(y * 2.0**-40)
-  rem = y - hi * 2.0**40
-  mid = jnp.floor(rem * 2.0**-20)
-  lo = jnp.floor(rem - mid * 2.0**20)
+  hi = jnp.floor(y * 2.0**-22)
+  lo = jnp.floor(y - hi * 2.0**22)
   neg = x < 0
-  return tuple(jnp.where(neg, -t, t).astype(jnp.int32) for t in (lo, mid, hi))
+  return tuple(jnp.where(neg, -t, t).astype(jnp.int32) for t in (lo, hi))
 
 
 def _add(a, b):
@@ -105,6 +106,30 @@ def _canonical(lo, mid, hi):
   mid = mid + c
   c = mid >> _W
   return lo, mid - (c << _W), hi + c
+
+
+def _grid_limbs(pair):
+  """(lo, hi) of 22 bits -> (lo, mid, hi) of 20 bits (`_grid`'s format,
+  not yet canonical): hi * 2^22 = (hi mod 2^18) * 4 * 2^20 + (hi >> 18) 2^40."""
+  lo, hi = pair
+  h1 = hi >> 18
+  return lo, (hi - (h1 << 18)) << 2, h1
+
+
+def _grid_sum(n: int, step, zeros):
+  """Runs fori_loop(0, n, step) over a carry of (lo, hi) pairs; returns
+  each pair's sum as 20-bit limbs (lo, mid, hi)."""
+  if n <= REG_TERMS:
+    return tuple(_grid_limbs(p) for p in lax.fori_loop(0, n, step, zeros))
+
+  def chunk(c, total):
+    start = c * REG_TERMS
+    part = lax.fori_loop(start, jnp.minimum(n, start + REG_TERMS), step,
+                         zeros)
+    return tuple(_canonical(*_add(t, _grid_limbs(p)))
+                 for t, p in zip(total, part))
+  total = tuple(tuple(jnp.zeros_like(p[0]) for _ in range(3)) for p in zeros)
+  return lax.fori_loop(0, pl.cdiv(n, REG_TERMS), chunk, total)
 
 
 def _visible(cfg: MaskConfig, q_pos, k_pos, k_valid, q_seg, k_seg):
@@ -220,29 +245,25 @@ def _query_kernel(q_pos_ref, k_pos_ref, q_ref, k_ref, v_ref, *refs,
         t = s2 * (LN2 / cfg.softcap)
         ds = ds * (1.0 - t * t)
       dq = plgpu.dot(ds.astype(k.dtype), k, precision=precision) * cfg.scale
-      return _add(carry, _limbs(dq, unit_ref[0]))
+      return (_add(carry[0], _limbs(dq, unit_ref[0])),)
 
     k_lo = k_pos_ref[k0]
     k_hi = k_pos_ref[k0 + block - 1]
     return _when_may_see(_may_see(cfg, q_lo, q_hi, k_lo, k_hi), run, carry)
 
   d = q_ref.shape[-1]
-  zeros_d = tuple(jnp.zeros((tq, d), jnp.int32) for _ in range(3))
-  zeros_r = tuple(jnp.zeros((tq,), jnp.int32) for _ in range(3))
   if mode == "max":
-    init = jnp.full((tq,), -jnp.inf, jnp.float32)
-  elif mode == "forward":
-    init = (zeros_d, zeros_r)
-  else:
-    init = zeros_d
-  res = lax.fori_loop(0, len_k // block, step, init)
-  if mode == "max":
+    res = lax.fori_loop(0, len_k // block, step,
+                        jnp.full((tq,), -jnp.inf, jnp.float32))
     plgpu.store(max_ref.at[rows], res, mask=q_valid)
     return
-  acc = res[0] if mode == "forward" else res
-  _store_limbs(acc_ref, (rows, slice(None)), acc, q_valid[:, None])
+  zeros_d = tuple(jnp.zeros((tq, d), jnp.int32) for _ in range(2))
+  zeros_r = tuple(jnp.zeros((tq,), jnp.int32) for _ in range(2))
+  sums = _grid_sum(len_k // block, step, (zeros_d, zeros_r)
+                   if mode == "forward" else (zeros_d,))
+  _store_limbs(acc_ref, (rows, slice(None)), sums[0], q_valid[:, None])
   if mode == "forward":
-    _store_limbs(den_ref, (rows,), res[1], q_valid)
+    _store_limbs(den_ref, (rows,), sums[1], q_valid)
 
 
 def _key_kernel(q_pos_ref, k_pos_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
@@ -317,22 +338,18 @@ def _key_kernel(q_pos_ref, k_pos_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
 
     return _when_may_see(_may_see(cfg, q_lo, q_hi, k_lo, k_hi), run, carry)
 
-  zeros = tuple(jnp.zeros((tk, d), jnp.int32) for _ in range(3))
-  dk, dv = lax.fori_loop(0, pl.cdiv(len_q, qs), q_step, (zeros, zeros))
+  zeros = tuple(jnp.zeros((tk, d), jnp.int32) for _ in range(2))
+  dk, dv = _grid_sum(pl.cdiv(len_q, qs), q_step, (zeros, zeros))
   index = (k_rows, slice(None))
   _store_limbs(dk_ref, index, dk, k_in_block[:, None])
   _store_limbs(dv_ref, index, dv, k_in_block[:, None])
 
 
 def _check(len_q: int, len_k: int, block: int):
+  del len_q
   if len_k % block:
     raise ValueError(f"block ({block}) must divide the local key count "
                      f"({len_k}).")
-  n = max(len_k // block, pl.cdiv(len_q, query_step(block)))
-  if n > MAX_BLOCKS_PER_STEP:
-    raise ValueError(f"{n} tiles per ring step exceed {MAX_BLOCKS_PER_STEP} "
-                     "(the limbs' carry-free range): use a larger block or "
-                     "more devices.")
 
 
 def _common(cfg, q, k, v, q_pos, k_pos, q_seg, k_seg, batch):
