@@ -181,6 +181,25 @@ def _forward(cfg, q, k, v, qpos, qseg, sinks):
   return out.astype(q.dtype), lse
 
 
+def _backward_units(cfg, q, k, v, dout, dlse):
+  """(dlse with non-finite entries 0, the bound on |D|, and the grid
+  exponents of dq, dk, dv): from exact global maxima, so the same on every
+  device count. A dq partial sums one key block, a dk/dv partial at most
+  one block of queries over the g heads of a GQA group."""
+  d, g, B = q.shape[3], q.shape[2] // k.shape[2], cfg.block
+  dlse = jnp.where(jnp.isfinite(dlse), dlse, 0.0).astype(_F32)
+
+  def gmax(x):
+    return jax.lax.pmax(jnp.max(jnp.abs(x.astype(_F32))), cfg.axis_name)
+  m_do, m_v, m_dl = gmax(dout), gmax(v), gmax(dlse)
+  # |dP| <= d |dO| |V|, |D| <= d |dO| |V| + |dlse| (|out| <= max |V|).
+  m_delta = d * m_do * m_v + m_dl
+  m_ds = abs(cfg.scale) * (d * m_do * m_v + m_delta)
+  return (dlse, m_delta, _grid.unit_exponent(B * m_ds * gmax(k)),
+          _grid.unit_exponent(B * g * m_ds * gmax(q)),
+          _grid.unit_exponent(B * g * m_do))
+
+
 def _backward(cfg, q, k, v, qpos, qseg, sinks, out, lse, dout, dlse):
   """(dq, dk, dv, dsinks) of `_forward`, the same bits on any device count.
 
@@ -192,20 +211,8 @@ def _backward(cfg, q, k, v, qpos, qseg, sinks, out, lse, dout, dlse):
   with units fixed from exact global maxima, so neither the ring's arrival
   order nor the device count changes a bit. Rows that see no key have
   P = 0 in every pair: their gradients are exactly 0."""
-  b, L, hq, d = q.shape
-  hkv = k.shape[2]
-  g, B, ax = hq // hkv, cfg.block, cfg.axis_name
-  dlse = jnp.where(jnp.isfinite(dlse), dlse, 0.0).astype(_F32)
-
-  def gmax(x):
-    return jax.lax.pmax(jnp.max(jnp.abs(x.astype(_F32))), ax)
-  m_do, m_v, m_dl = gmax(dout), gmax(v), gmax(dlse)
-  # |dP| <= d |dO| |V|, |D| <= d |dO| |V| + |dlse| (|out| <= max |V|).
-  m_delta = d * m_do * m_v + m_dl
-  m_ds = abs(cfg.scale) * (d * m_do * m_v + m_delta)
-  e_dq = _grid.unit_exponent(B * m_ds * gmax(k))
-  e_dk = _grid.unit_exponent(B * g * m_ds * gmax(q))
-  e_dv = _grid.unit_exponent(B * g * m_do)
+  b, B = q.shape[0], cfg.block
+  dlse, m_delta, e_dq, e_dk, e_dv = _backward_units(cfg, q, k, v, dout, dlse)
 
   def rows(x):  # [b, hq, L] -> [nq, b, B, hq]
     return _blocks(jnp.moveaxis(x, 2, 1), B)
@@ -313,21 +320,24 @@ def _limbs_last(x):  # [3, ...] -> [..., 3], the `_grid` layout
   return jnp.moveaxis(x, 0, -1)
 
 
+def _seg_args(cfg, q_seg, k_seg):
+  """(q_seg, k_seg) for the kernels: None, None without segment ids."""
+  return (q_seg, k_seg) if cfg.has_segments else (None, None)
+
+
 def _forward_kernel(cfg, q, k, v, qpos, qseg, sinks):
   b, L, hq, d = q.shape
-  hkv = k.shape[2]
   d_pad = head_dim_bucket(d)
   qp, kp, vp = (_packed(x, d_pad) for x in (q, k, v))
   seg = qseg.reshape(b * L)
   kw = _kernel_args(cfg, q)
-  segs = (lambda ks: (seg, ks)) if cfg.has_segments else (lambda ks: (None,
-                                                                      None))
 
-  def max_step(carry, _):
+  def max_step(carry, _):  # only K travels: the row max reads no V
     m, kv = carry
     nxt = _ring_step(cfg, kv, +1)
     m = jnp.maximum(m, ring_step.query_pass(
-        qp, kv[0], kv[0], qpos, kv[1], *segs(kv[2]), mode="max", **kw))
+        qp, kv[0], kv[0], qpos, kv[1], *_seg_args(cfg, seg, kv[2]),
+        mode="max", **kw))
     return (m, nxt), None
   m0 = jnp.full((hq, b * L), -jnp.inf, _F32)
   (ref2, _), _ = jax.lax.scan(max_step, (m0, (kp, qpos, seg)), None,
@@ -347,8 +357,8 @@ def _forward_kernel(cfg, q, k, v, qpos, qseg, sinks):
     acc, den, kv = carry
     nxt = _ring_step(cfg, kv, +1)
     acc, den = ring_step.query_pass(
-        qp, kv[0], kv[1], qpos, kv[2], *segs(kv[3]), ref2, units, acc, den,
-        mode="forward", **kw)
+        qp, kv[0], kv[1], qpos, kv[2], *_seg_args(cfg, seg, kv[3]), ref2,
+        units, acc, den, mode="forward", **kw)
     return (acc, den, nxt), None
   acc0 = jnp.zeros((3, b * L, hq, d_pad), jnp.int32)
   den0 = jnp.zeros((3, hq, b * L), jnp.int32)
@@ -371,18 +381,9 @@ def _backward_kernel(cfg, q, k, v, qpos, qseg, sinks, out, lse, dout, dlse):
   key block) and dK/dV partials per (query tile, key row) on the grid."""
   b, L, hq, d = q.shape
   hkv = k.shape[2]
-  g, B, ax = hq // hkv, cfg.block, cfg.axis_name
+  B = cfg.block
   d_pad = head_dim_bucket(d)
-  dlse = jnp.where(jnp.isfinite(dlse), dlse, 0.0).astype(_F32)
-
-  def gmax(x):
-    return jax.lax.pmax(jnp.max(jnp.abs(x.astype(_F32))), ax)
-  m_do, m_v, m_dl = gmax(dout), gmax(v), gmax(dlse)
-  m_delta = d * m_do * m_v + m_dl
-  m_ds = abs(cfg.scale) * (d * m_do * m_v + m_delta)
-  e_dq = _grid.unit_exponent(B * m_ds * gmax(k))
-  e_dk = _grid.unit_exponent(B * g * m_ds * gmax(q))
-  e_dv = _grid.unit_exponent(B * g * m_do)
+  dlse, m_delta, e_dq, e_dk, e_dv = _backward_units(cfg, q, k, v, dout, dlse)
   qp, kp, vp, op, dop = (_packed(x, d_pad) for x in (q, k, v, out, dout))
   rows = lambda x: jnp.moveaxis(x, 0, 1).reshape(hq, b * L)  # [b, hq, L]
   lse2 = rows(jnp.where(jnp.isfinite(lse), lse * LOG2E, jnp.inf))
@@ -394,18 +395,16 @@ def _backward_kernel(cfg, q, k, v, qpos, qseg, sinks, out, lse, dout, dlse):
       with_grid=False, interpret=cfg.kernel == "interpret")
   seg = qseg.reshape(b * L)
   kw = _kernel_args(cfg, q)
-  segs = (lambda ks: (seg, ks)) if cfg.has_segments else (lambda ks: (None,
-                                                                      None))
   unit_dq = _grid.pow2(-e_dq)[None]
   unit_kv = jnp.stack([_grid.pow2(-e_dk), _grid.pow2(-e_dv)])
 
   def step(carry, _):
     dq_acc, kv, dkv = carry
     nxt = _ring_step(cfg, kv, -1)  # issued before this step's compute
+    s_q, s_k = _seg_args(cfg, seg, kv[3])
     dq_acc = ring_step.query_pass(
-        qp, kv[0], kv[1], qpos, kv[2], *segs(kv[3]), dop, lse2, delta,
-        unit_dq, dq_acc, mode="dq", **kw)
-    s_q, s_k = segs(kv[3])
+        qp, kv[0], kv[1], qpos, kv[2], s_q, s_k, dop, lse2, delta, unit_dq,
+        dq_acc, mode="dq", **kw)
     dkv = ring_step.key_pass(qp, kv[0], kv[1], qpos, kv[2], s_q, s_k, dop,
                              lse2, delta, unit_kv, *dkv, **kw)
     return (dq_acc, nxt, _ring_step(cfg, tuple(dkv), -1)), None
