@@ -19,8 +19,13 @@ Bitwise identity (1, 2, 4, 8 devices give the same bits):
     exact integer grid (`_grid`, units fixed from exact global maxima), so
     the order in which blocks arrive round the ring does not matter.
 Masks, lse and fully masked rows follow `pallas_kernels.reference.dense`.
-Compute is float32 (each block is upcast where it is used; K/V travel round
-the ring in their own dtype, exact either way); the output has q's dtype.
+
+Two implementations of a step (`backend`): "xla", the pair blocks below in
+float32 (each block upcast where it is used; K/V travel round the ring in
+their own dtype); "pallas" / "interpret", the Pallas ring step
+(`pallas_kernels.flash.ring_step`): one launch per pass over the shard,
+bf16/fp16 tiles on the tensor cores, each (query row, key block) partial
+put on the grid inside the kernel. The output has q's dtype.
 """
 
 from __future__ import annotations
@@ -462,6 +467,9 @@ def ring_attention(q, k, v, *, axis_name, causal=False, softmax_scale=None,
       function of the global length only.
     segment_ids: int [batch, seq_local] local shard, or None.
     sinks: [heads_q] or None. Other options as `fold_attn_func`.
+    backend: "xla" (pair blocks), "pallas" (the Pallas ring step, NVIDIA
+      GPU), "interpret" (the same kernels on CPU) or "auto" ("xla", said
+      once, until the Pallas step is timed on a GPU).
   Returns out [batch, seq_local, heads_q, head_dim] (and lse [batch,
   heads_q, seq_local] float32 if return_lse).
   """
