@@ -177,17 +177,35 @@ def test_ring_on_one_gpu_matches_the_reference(kw):
   k, v = (jax.random.normal(x, (b, s, hkv, d), jnp.bfloat16)
           for x in keys[2:])
 
+  # w is an argument, not a constant of the trace: XLA would spend seconds
+  # constant-folding reductions of the cotangent it makes.
   def loss(attn):
-    return lambda q, k, v: jnp.sum(attn(q, k, v).astype(jnp.float32) * w)
+    return lambda q, k, v, w: jnp.sum(attn(q, k, v).astype(jnp.float32) * w)
   ring = lambda q, k, v: sharded_attention(
       q, k, v, mesh=mesh, backend="pallas", layout="contiguous", **kw)
   ref = lambda q, k, v: attention_reference(q, k, v, **kw)[0]
   f32 = [x.astype(jnp.float32) for x in (q, k, v)]
   grad = jax.jit(jax.grad(loss(ring), (0, 1, 2)))
-  got = (jax.jit(ring)(q, k, v),) + grad(q, k, v)
-  want = (ref(*f32),) + jax.grad(loss(ref), (0, 1, 2))(*f32)
+  got = (jax.jit(ring)(q, k, v),) + grad(q, k, v, w)
+  want = (ref(*f32),) + jax.grad(loss(ref), (0, 1, 2))(*f32, w)
   for a, c in zip(got, want):
     a = a.astype(jnp.float32)
     assert float(jnp.abs(a - c).max() / jnp.abs(c).max()) < 2e-2
-  again = grad(q, k, v)
+  again = grad(q, k, v, w)
   assert all(_eq(a, c) for a, c in zip(got[1:], again))
+
+
+def test_auto_picks_the_pallas_step_on_a_gpu(monkeypatch):
+  from jax_api import _backend
+  from jax_api.sharding.ring import ring_backend
+  monkeypatch.setattr(_backend, "_gpu_capability", lambda: (9, 0))
+  assert ring_backend("auto") == "pallas"
+  monkeypatch.setattr(_backend, "_gpu_capability", lambda: (7, 5))
+  assert ring_backend("auto") == "xla"
+  monkeypatch.setattr(_backend, "_gpu_capability", lambda: None)
+  assert ring_backend("auto") == "xla"
+  assert ring_backend("interpret") == "interpret"
+  with pytest.raises(ValueError, match="backend='pallas' needs an NVIDIA"):
+    ring_backend("pallas")
+  with pytest.raises(ValueError, match="backend must be one of"):
+    ring_backend("mosaic")

@@ -432,15 +432,21 @@ def _backward_kernel(cfg, q, k, v, qpos, qseg, sinks, out, lse, dout, dlse):
 
 def ring_backend(backend: str) -> str:
   """The ring step's implementation for `backend`: "pallas" / "interpret"
-  (the Pallas ring step) or "xla" (the pair blocks). "auto" keeps the XLA
-  pair blocks and says so once: the Pallas step has not been timed on a GPU
-  yet, so it is not chosen for the user."""
-  if backend == "auto":
-    _backend._announce("jax_api: ring_attention runs its per-block XLA path "
-                       "(backend='pallas' or 'interpret' runs the Pallas "
-                       "ring step).")
-    return "xla"
-  return _backend.resolve_backend(backend, kernel="ring_attention")
+  (the Pallas ring step) or "xla" (the pair blocks). "auto": the Pallas
+  step on an NVIDIA GPU of compute capability 8.0+ (38-51x faster than the
+  pair blocks on an H100, `benchmarks/results/h100/session-2026-12-08`),
+  else the pair blocks; said once."""
+  if backend != "auto":
+    return _backend.resolve_backend(backend, kernel="ring_attention")
+  cc = _backend._gpu_capability()
+  if cc is not None and cc >= (8, 0):
+    _backend._announce("jax_api: ring_attention runs the Pallas ring step on "
+                       f"this GPU (compute capability {cc[0]}.{cc[1]}).")
+    return "pallas"
+  _backend._announce("jax_api: ring_attention runs its per-block XLA path "
+                     "(no supported GPU; backend='interpret' runs the Pallas "
+                     "ring step on CPU).")
+  return "xla"
 
 
 def default_block_size(seq: int) -> int:
@@ -468,8 +474,8 @@ def ring_attention(q, k, v, *, axis_name, causal=False, softmax_scale=None,
     segment_ids: int [batch, seq_local] local shard, or None.
     sinks: [heads_q] or None. Other options as `fold_attn_func`.
     backend: "xla" (pair blocks), "pallas" (the Pallas ring step, NVIDIA
-      GPU), "interpret" (the same kernels on CPU) or "auto" ("xla", said
-      once, until the Pallas step is timed on a GPU).
+      GPU), "interpret" (the same kernels on CPU) or "auto" ("pallas" on a
+      GPU of compute capability 8.0+, else "xla"; said once).
   Returns out [batch, seq_local, heads_q, head_dim] (and lse [batch,
   heads_q, seq_local] float32 if return_lse).
   """
