@@ -8,8 +8,8 @@ grid by itself before it is added to anything: integer sums do not depend
 on how blocks were grouped into shards or in which order they arrived. The
 flash kernels' online softmax cannot do this (its rescaling makes a row's
 bits depend on how keys are grouped), so the ring declares its softmax
-reference first (`row_max`, an exact order-free max) and then every step
-adds `exp2(s - ref)`-weighted partials against that fixed reference.
+reference first (`query_pass(mode="max")`, an exact, order-free max) and
+every step then adds `exp2(s - ref)`-weighted partials against it.
 
 A grid value is three int32 limbs (lo, mid, hi) of 20 bits of
 trunc(x / 2^e) (`jax_api.sharding._grid` holds the format and the unit
