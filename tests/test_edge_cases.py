@@ -402,3 +402,30 @@ def test_non_finite_input_reaches_exactly_its_rows(layout, which, backend,
   np.testing.assert_allclose(values[qty][free],
                              _clean(layout, backend)[qty][free],
                              rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dq_mode", ["atomic", "recompute"])
+def test_tile_flags_survive_the_triton_lowering(fake_h200, monkeypatch,
+                                                dq_mode):
+  """The flags that start the containing launches, as lowered for the GPU:
+  no signed max on i1. MLIR folds maxsi(extui a, extui b) of 0/1 flags
+  into maxsi on i1, where true is -1, so max(1, 0) was 0 on an H100
+  (2026-12-08: the dK/dV flag lost whenever k was clean, and the integer-grid
+  dQ's recompute never ran), while interpret mode was right."""
+  import re
+
+  from jax_api import _backend
+  from pallas_kernels import triton_ir
+  monkeypatch.setattr(_backend, "_gpu_capability", lambda: (9, 0))
+  cfg = KernelSettings(dq_mode=dq_mode)
+
+  def grads(q, k, v, do):
+    _, vjp = jax.vjp(lambda q, k, v: fold_attn_func(
+        q, k, v, causal=True, backend="pallas", config=cfg), q, k, v)
+    return vjp(do)
+  x = jax.ShapeDtypeStruct((1, 20, 2, 32), jnp.float32)
+  kernels = triton_ir.capture_triton_ir(jax.jit(grads), (x, x, x, x))
+  names = [name for name, _, _ in kernels]
+  assert "fold_flash_backward_dkdv" in names, names
+  for name, ttir, _ in kernels:
+    assert not re.search(r"arith\.maxsi[^\n]*: i1\b", ttir), name

@@ -205,9 +205,10 @@ def _backward_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
     if not contain:
       # A non-finite dK or dV tile may hold a hidden pair's 0 * NaN: the
       # second launch redoes it (and, for the atomic dQ, its sequence's dQ).
-      bad = jnp.maximum(tiles.has_non_finite(dk), tiles.has_non_finite(dv))
+      # `|`, not jnp.maximum: see tiles.has_non_finite.
+      bad = tiles.has_non_finite(dk) | tiles.has_non_finite(dv)
       if k_bad is not None:
-        bad = jnp.maximum(bad, k_bad)
+        bad = bad | k_bad
       plgpu.store(flag_ref.at[pl.ds(k_off + k0, block_k)],
                   jnp.broadcast_to(bad, (block_k,)),
                   mask=jnp.arange(block_k) < len_k - k0)

@@ -190,7 +190,12 @@ def has_non_finite(x):
   The tile's sum is non-finite then (NaN and Inf propagate through sums):
   one add per element. A sum that overflows float32 says 1 for a finite
   tile; callers use the flag only to redo the tile with code that gives
-  the same finite values, so that costs time, never bits."""
+  the same finite values, so that costs time, never bits.
+
+  Combine flags with `|`, never `jnp.maximum`: MLIR folds
+  maxsi(extui a, extui b) of these 0/1 values into maxsi on i1, where
+  true is -1, so max(1, 0) lowers to 0 on the GPU (interpret mode is
+  right; seen on an H100, 2026-12-08)."""
   total = jnp.sum(jnp.sum(x.astype(jnp.float32), axis=1), axis=0)
   return jnp.where(jnp.abs(total) < jnp.inf, 0, 1).astype(jnp.int32)
 
