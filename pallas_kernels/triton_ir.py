@@ -61,3 +61,11 @@ def pointer_count(ttir: str) -> int:
   m = re.search(r"tt\.func public @[\w$.]+\((.*?)\)\s*(attributes|\{)",
                 ttir, re.S)
   return len(re.findall(r"!tt\.ptr<", m.group(1))) if m else -1
+
+
+def signed_i1_minmax(ttir: str) -> list:
+  """Lines of `ttir` with a signed min/max on i1. On i1 true is -1, so
+  maxsi(true, false) is false: MLIR folds maxsi(extui a, extui b) of 0/1
+  flags (`jnp.maximum` of booleans cast to int32) into exactly this, which
+  interpret mode never shows. Kernels combine such flags with `|`."""
+  return re.findall(r"[^\n]*arith\.(?:max|min)si[^\n]*: i1\b[^\n]*", ttir)

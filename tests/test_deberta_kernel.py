@@ -467,13 +467,19 @@ def test_triton_lowering(fake_h200, dtype, head_dim, types, masked, rate):
   assert "fold_deberta_position_table" in lowered.as_text()
   bwd = functools.partial(disentangled_backward, cfg=cfg, blocks=blocks,
                           max_seqlen=512, interpret=False)
-  lowered = jax.jit(bwd).trace(
-      tok, tok, tok, pos, pos, tab, tab, tok, sds((h, t), jnp.float32), tok,
-      cu, tm, seed).lower(lowering_platforms=("cuda",))
+  bwd_args = (tok, tok, tok, pos, pos, tab, tab, tok,
+              sds((h, t), jnp.float32), tok, cu, tm, seed)
+  lowered = jax.jit(bwd).trace(*bwd_args).lower(lowering_platforms=("cuda",))
   text = lowered.as_text()
   for name in ("fold_deberta_backward_dkdv", "fold_deberta_backward_dq",
                "fold_deberta_band_product"):
     assert name in text
+  # No signed min/max on i1 (see triton_ir.signed_i1_minmax).
+  from pallas_kernels import triton_ir
+  for fn, args in ((fwd, (tok, tok, tok, tab, tab, cu, tm, seed)),
+                   (bwd, bwd_args)):
+    for name, ttir, _ in triton_ir.capture_triton_ir(jax.jit(fn), args):
+      assert not triton_ir.signed_i1_minmax(ttir), name
 
 
 # ---------------------------------------------------------------------------

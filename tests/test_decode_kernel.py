@@ -15,6 +15,7 @@ import pytest
 
 from pallas_kernels.decode import (contiguous_as_pages, contiguous_decode,
                                    paged_decode, xla_decode)
+from pallas_kernels import triton_ir
 from pallas_kernels.reference import paged_decode_reference
 from pallas_kernels.reference.decode_draft import paged_draft_reference
 
@@ -257,12 +258,14 @@ def test_lowers_for_triton_on_cpu(fake_h200):
       return paged_decode(q, k, v, t, n, chunk_tokens=1024, window_left=300,
                           softcap=30.0, sinks=sk, interpret=False,
                           compute_capability=(9, 0), num_splits=4)
-    txt = jax.jit(f).trace(
-        sds((b, q_len, hq, d), dtype), sds(pool, dtype), sds(pool, dtype),
-        sds((b, mp), jnp.int32), sds((b,), jnp.int32),
-        sds((hq,), jnp.float32) if sinks else None).lower(
-            lowering_platforms=("cuda",)).as_text()
-    assert "fold_decode_split" in txt and "fold_decode_combine" in txt
+    args = (sds((b, q_len, hq, d), dtype), sds(pool, dtype),
+            sds(pool, dtype), sds((b, mp), jnp.int32), sds((b,), jnp.int32),
+            sds((hq,), jnp.float32) if sinks else None)
+    kernels = triton_ir.capture_triton_ir(jax.jit(f), args)
+    assert [name for name, _, _ in kernels] == ["fold_decode_split",
+                                                "fold_decode_combine"]
+    for name, ttir, _ in kernels:  # see triton_ir.signed_i1_minmax
+      assert not triton_ir.signed_i1_minmax(ttir), name
 
 
 # ----------------------------------------------------------------------------

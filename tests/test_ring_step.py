@@ -33,6 +33,7 @@ CASES = [
 ]
 MASKS = {
     "causal": dict(causal=True, window_size=(-1, -1)),
+    "full": dict(causal=False, window_size=(-1, -1)),
     "window-softcap": dict(causal=False, window_size=(40, 8), softcap=5.0),
     "segments": dict(causal=True, window_size=(-1, -1), segments=True),
 }
@@ -209,3 +210,34 @@ def test_auto_picks_the_pallas_step_on_a_gpu(monkeypatch):
     ring_backend("pallas")
   with pytest.raises(ValueError, match="backend must be one of"):
     ring_backend("mosaic")
+
+
+@pytest.mark.parametrize("mask", list(MASKS))
+def test_ring_step_kernels_lower_for_the_gpu(fake_h200, mask):
+  """All four kernels lower to Triton IR for sm_90 on CPU (a non-causal
+  mask once lowered a constant predicate Triton rejects), with no signed
+  min/max on i1 (`triton_ir.signed_i1_minmax`)."""
+  from pallas_kernels import triton_ir
+  q, k, v, do, q_pos, k_pos, q_seg, k_seg, kw = _setup(
+      "pallas", 128, 96, 256, 256, MASKS[mask])
+  kw = dict(kw, interpret=False)
+  rows = jnp.zeros((q.shape[1], q.shape[0]), jnp.float32)
+  acc = jnp.zeros((3,) + q.shape, jnp.int32)
+  den = jnp.zeros((3, q.shape[1], q.shape[0]), jnp.int32)
+  units = jnp.ones((2,), jnp.float32)
+
+  def qp(mode, *rest):
+    fn = jax.jit(lambda *a: ring_step.query_pass(*a, mode=mode, **kw))
+    return fn, (q, k, v, q_pos, k_pos, q_seg, k_seg) + rest
+  calls = [qp("max"), qp("forward", rows, units, acc, den),
+           qp("dq", do, rows, rows, units[:1], acc),
+           (jax.jit(lambda *a: ring_step.key_pass(*a, **kw)),
+            (q, k, v, q_pos, k_pos, q_seg, k_seg, do, rows, rows, units,
+             acc[:, :k.shape[0]], acc[:, :k.shape[0]]))]
+  names = []
+  for fn, args in calls:
+    for name, ttir, _ in triton_ir.capture_triton_ir(fn, args):
+      names.append(name)
+      assert not triton_ir.signed_i1_minmax(ttir), name
+  assert names == ["fold_ring_max", "fold_ring_forward", "fold_ring_dq",
+                   "fold_ring_dkdv"]
