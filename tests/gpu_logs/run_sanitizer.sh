@@ -28,7 +28,7 @@ export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
 export JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
 T_RUN=${T_RUN:-22}
 TOOLS=${TOOLS:-"memcheck racecheck initcheck"}
-FAMILIES=${FAMILIES:-"dense_recompute dense_atomic decode deberta bridge"}
+FAMILIES=${FAMILIES:-"dense_recompute dense_atomic decode deberta ring bridge"}
 PY=${PY:-python3}
 summary="$out/summary.txt"
 : > "$summary"

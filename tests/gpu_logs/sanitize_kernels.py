@@ -5,7 +5,8 @@
 
 Families: dense (forward, recompute and atomic backward; also one mode
 alone: dense_recompute, dense_atomic), decode, deberta (forward,
-backward), bridge (the torch direct launch, forward and backward). Shapes:
+backward), ring (the ring-attention step kernels, forward and backward),
+bridge (the torch direct launch, forward and backward). Shapes:
 sequence lengths that are not multiples of the tiles (ragged tails, packed
 varlen sequences, partial pages), head dims 96 and 192. Prints one line per
 family; the sanitizer's report is the result (`run_sanitizer.sh` runs one
@@ -100,6 +101,27 @@ def deberta():
   print("deberta: ok")
 
 
+def ring():
+  """The ring with the Pallas step (`pallas_kernels.flash.ring_step`) on a
+  one-device mesh: causal with segments (two of them, the second cut
+  short by a masked tail) and non-causal with a window, head dim 96."""
+  from jax_api.sharding import make_mesh, sharded_attention
+  mesh = make_mesh(context=1)
+  s = 320 if ON_GPU else 48  # 5 (GPU) / 3 (CPU) key blocks
+  q = _rand(0, (2, s, 4, 96))
+  k = _rand(1, (2, s, 2, 96))
+  seg = (jnp.arange(s)[None] >= s // 3).astype(jnp.int32).repeat(2, 0)
+  seg = jnp.where(jnp.arange(s)[None] < s - 11, seg, -1)
+  block = 64 if ON_GPU else 16
+  for kw in (dict(causal=True, segment_ids=seg),
+             dict(causal=False, window_size=(40, 17))):
+    f = lambda q, k: sharded_attention(
+        q, k, k, mesh=mesh, layout="contiguous", backend=BACKEND,
+        block_size=block, **kw).astype(jnp.float32).sum()
+    jax.block_until_ready(jax.jit(jax.grad(f, argnums=(0, 1)))(q, k))
+  print("ring: ok")
+
+
 def bridge():
   import torch
   import torch_bridge
@@ -118,6 +140,6 @@ def bridge():
 
 
 if __name__ == "__main__":
-  names = sys.argv[1:] or ["dense", "decode", "deberta", "bridge"]
+  names = sys.argv[1:] or ["dense", "decode", "deberta", "ring", "bridge"]
   for n in names:
     globals()[n]()
