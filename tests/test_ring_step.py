@@ -13,6 +13,7 @@ import pytest
 
 from jax_api.sharding import _grid
 from pallas_kernels.flash import ring_step
+from pallas_kernels.flash.config import head_dim_bucket
 from pallas_kernels.flash.tiles import MaskConfig
 
 
@@ -42,9 +43,7 @@ MASKS = {
 def _setup(backend, block, head_dim, len_q, len_k, mask):
   b, hq, hkv = 2, 4, 2
   rng = np.random.default_rng(0)
-  d_pad = 16
-  while d_pad < head_dim:
-    d_pad *= 2
+  d_pad = head_dim_bucket(head_dim)
 
   def rnd(rows, h, scale=1.0):
     x = rng.standard_normal((rows, h, d_pad)) * scale

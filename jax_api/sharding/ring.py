@@ -389,13 +389,14 @@ def _backward_kernel(cfg, q, k, v, qpos, qseg, sinks, out, lse, dout, dlse):
   B = cfg.block
   d_pad = head_dim_bucket(d)
   dlse, m_delta, e_dq, e_dk, e_dv = _backward_units(cfg, q, k, v, dout, dlse)
-  qp, kp, vp, op, dop = (_packed(x, d_pad) for x in (q, k, v, out, dout))
+  qp, kp, vp, dop = (_packed(x, d_pad) for x in (q, k, v, dout))
   rows = lambda x: jnp.moveaxis(x, 0, 1).reshape(hq, b * L)  # [b, hq, L]
   lse2 = rows(jnp.where(jnp.isfinite(lse), lse * LOG2E, jnp.inf))
   cu = jnp.arange(b + 1, dtype=jnp.int32) * L
   # D per row from fixed tiles (a row's bits do not follow the shard size).
   delta, _ = preprocess.backward_rows(
-      op[..., :d], dop[..., :d], rows(dlse), None, None, cu, cu,
+      out.reshape(b * L, hq, d), dout.reshape(b * L, hq, d), rows(dlse),
+      None, None, cu, cu,
       softmax_scale=cfg.scale, max_seqlen_q=L, max_seqlen_k=L,
       with_grid=False, interpret=cfg.kernel == "interpret")
   seg = qseg.reshape(b * L)

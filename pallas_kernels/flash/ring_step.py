@@ -181,7 +181,7 @@ def _store_limbs(ref, index, parts, mask):
 
 def _query_kernel(q_pos_ref, k_pos_ref, q_ref, k_ref, v_ref, *refs,
                   cfg: MaskConfig, mode: str, block: int, len_q: int,
-                  len_k: int, group: int):
+                  len_k: int):
   """One body, three modes: "max" (the row max of s2 over visible keys),
   "forward" (numerator and denominator partials) and "dq"."""
   refs = list(refs)
@@ -345,28 +345,22 @@ def _key_kernel(q_pos_ref, k_pos_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
   _store_limbs(dv_ref, index, dv, k_in_block[:, None])
 
 
-def _check(len_q: int, len_k: int, block: int):
-  del len_q
+def _geometry(q, k, batch: int, block: int):
+  """(len_q, len_k, group) of packed q, k of `batch` rows; checks that the
+  block divides the local keys."""
+  len_q, len_k = q.shape[0] // batch, k.shape[0] // batch
   if len_k % block:
     raise ValueError(f"block ({block}) must divide the local key count "
                      f"({len_k}).")
+  return len_q, len_k, q.shape[1] // k.shape[1]
 
 
-def _common(cfg, q, k, v, q_pos, k_pos, q_seg, k_seg, batch):
-  total_q, heads_q, d = q.shape
-  total_k, heads_kv, _ = k.shape
-  len_q, len_k = total_q // batch, total_k // batch
-  group = heads_q // heads_kv
-  q_spec = pl.BlockSpec((total_q, None, d), lambda i, b, h: (0, h, 0))
-  kv_spec = pl.BlockSpec((total_k, None, d),
-                         lambda i, b, h: (0, h // group, 0))
-  in_specs = [tiles.full_spec(q_pos.shape), tiles.full_spec(k_pos.shape),
-              q_spec, kv_spec, kv_spec]
-  args = [q_pos, k_pos, q, k, v]
-  if cfg.has_segments:
-    in_specs += [tiles.full_spec(q_seg.shape), tiles.full_spec(k_seg.shape)]
-    args += [q_seg, k_seg]
-  return len_q, len_k, group, in_specs, args
+def _segment_inputs(cfg, q_seg, k_seg):
+  """(in_specs, args) of the segment ids, empty without segments."""
+  if not cfg.has_segments:
+    return [], []
+  return ([tiles.full_spec(q_seg.shape), tiles.full_spec(k_seg.shape)],
+          [q_seg, k_seg])
 
 
 def _params(d: int, compiler: str):
@@ -386,10 +380,16 @@ def query_pass(q, k, v, q_pos, k_pos, q_seg=None, k_seg=None, *rest,
     acc, den); returns (acc, den) with this shard's partials added.
   mode "dq": rest = (do, lse2, delta, inv_units [1], acc); returns acc.
   """
-  len_q, len_k, group, in_specs, args = _common(cfg, q, k, v, q_pos, k_pos,
-                                                q_seg, k_seg, batch)
-  _check(len_q, len_k, block)
   total_q, heads_q, d = q.shape
+  total_k, heads_kv, _ = k.shape
+  len_q, len_k, group = _geometry(q, k, batch, block)
+  q_spec = pl.BlockSpec((total_q, None, d), lambda i, b, h: (0, h, 0))
+  kv_spec = pl.BlockSpec((total_k, None, d),
+                         lambda i, b, h: (0, h // group, 0))
+  seg_specs, seg_args = _segment_inputs(cfg, q_seg, k_seg)
+  in_specs = [tiles.full_spec(q_pos.shape), tiles.full_spec(k_pos.shape),
+              q_spec, kv_spec, kv_spec] + seg_specs
+  args = [q_pos, k_pos, q, k, v] + seg_args
   row_spec = pl.BlockSpec((None, total_q), lambda i, b, h: (h, 0))
   acc_spec = pl.BlockSpec((3, total_q, None, d), lambda i, b, h: (0, 0, h, 0))
   den_spec = pl.BlockSpec((3, None, total_q), lambda i, b, h: (0, h, 0))
@@ -407,8 +407,8 @@ def query_pass(q, k, v, q_pos, k_pos, q_seg=None, k_seg=None, *rest,
     aliases = {len(args) - 2: 0, len(args) - 1: 1}
   elif mode == "dq":
     do, lse2, delta, units, acc = rest
-    in_specs += [in_specs[2], row_spec, row_spec,
-                 tiles.full_spec(units.shape), acc_spec]
+    in_specs += [q_spec, row_spec, row_spec, tiles.full_spec(units.shape),
+                 acc_spec]
     args += [do, lse2, delta, units, acc]
     out_specs = [acc_spec]
     out_shape = [jax.ShapeDtypeStruct(acc.shape, jnp.int32)]
@@ -417,7 +417,7 @@ def query_pass(q, k, v, q_pos, k_pos, q_seg=None, k_seg=None, *rest,
     raise ValueError(f"mode must be 'max', 'forward' or 'dq'; got {mode!r}.")
   res = pl.pallas_call(
       functools.partial(_query_kernel, cfg=cfg, mode=mode, block=block,
-                        len_q=len_q, len_k=len_k, group=group),
+                        len_q=len_q, len_k=len_k),
       grid=(pl.cdiv(len_q, query_tile(block)), batch, heads_q),
       in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
       input_output_aliases=aliases, compiler_params=_params(d, compiler),
@@ -435,9 +435,7 @@ def key_pass(q, k, v, q_pos, k_pos, q_seg, k_seg, do, lse2, delta, units,
   units: float32 [2], 2^-e of dK's and dV's grids."""
   total_q, heads_q, d = q.shape
   total_k, heads_kv, _ = k.shape
-  len_q, len_k = total_q // batch, total_k // batch
-  group = heads_q // heads_kv
-  _check(len_q, len_k, block)
+  len_q, len_k, group = _geometry(q, k, batch, block)
   grp_spec = pl.BlockSpec((total_q, group, d), lambda j, b, h: (0, h, 0))
   kv_spec = pl.BlockSpec((total_k, None, d), lambda j, b, h: (0, h, 0))
   row_spec = pl.BlockSpec((group, total_q), lambda j, b, h: (h, 0))
@@ -445,11 +443,9 @@ def key_pass(q, k, v, q_pos, k_pos, q_seg, k_seg, do, lse2, delta, units,
   in_specs = [tiles.full_spec(q_pos.shape), tiles.full_spec(k_pos.shape),
               grp_spec, kv_spec, kv_spec, grp_spec, row_spec, row_spec]
   args = [q_pos, k_pos, q, k, v, do, lse2, delta]
-  if cfg.has_segments:
-    in_specs += [tiles.full_spec(q_seg.shape), tiles.full_spec(k_seg.shape)]
-    args += [q_seg, k_seg]
-  in_specs += [tiles.full_spec(units.shape), acc_spec, acc_spec]
-  args += [units, dk, dv]
+  seg_specs, seg_args = _segment_inputs(cfg, q_seg, k_seg)
+  in_specs += seg_specs + [tiles.full_spec(units.shape), acc_spec, acc_spec]
+  args += seg_args + [units, dk, dv]
   n = len(args)
   return pl.pallas_call(
       functools.partial(_key_kernel, cfg=cfg, block=block, len_q=len_q,
